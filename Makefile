@@ -1,0 +1,31 @@
+# CPU machines: torch is pinned to the CPU build the install path expects.
+# GPU machines: `make install TORCH_SPEC="torch==2.13.0"` with pip pointed at a CUDA wheel
+# index (PIP_EXTRA_INDEX_URL), or install torch first and run `make install TORCH_SPEC=`.
+PY ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: install run test lint bench
+
+$(BIN)/kiln: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(BIN)/pip install -q "$(TORCH_SPEC)")
+	$(BIN)/pip install -q -e ".[dev,postgres]"
+	touch $(BIN)/kiln
+
+install: $(BIN)/kiln
+
+run: install
+	mkdir -p out && $(BIN)/kiln render --model kiln-tiny --prompt "a red circle moving left" --size 64x64 --frames 9 --steps 4 --seed 0 --dp 2 --out out/demo.mp4
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/coldstart.py

@@ -1,0 +1,570 @@
+"""Distributed layerwise offload (DLO): stream a model's blocks through two fixed device slots.
+
+Each block's tensors are packed into one flat byte buffer (see ``layout.py``). With
+``use_allgather=True`` rank r of the weight group keeps only shard r of every block, in one host
+slab (page-locked on accelerators); before a block runs, every rank copies its shard into the
+block's slot and an all-gather rebuilds the whole block there. With ``use_allgather=False`` each
+rank streams whole blocks from their source (the shared checkpoint mapping, or the model's own
+tensors) through a page-locked staging buffer.
+
+While block N computes from one slot, a single transfer thread fills the other slot with block
+N+1 (on a side stream on accelerators); the last block prefetches block 0 for the next forward.
+One thread and one dedicated process group mean every rank issues its gathers in the same order
+and they never interleave with other collectives. During its block's forward each parameter is a
+view into the active slot; outside it, a meta-device placeholder that holds no memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from runtime.dlo.checkpoint import Checkpoint
+from runtime.dlo.layout import BlockLayout, Entry, block_tensors, build_layout, layout_digest
+from runtime.platform import Platform, get_platform
+
+log = logging.getLogger(__name__)
+
+CheckpointSpec = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+# A ModuleList holding at least this share of the parameters counts as a block list when the
+# caller does not name them; together the chosen lists must hold more than half.
+_MIN_LIST_SHARE = 0.10
+
+
+@dataclass(kw_only=True, slots=True)
+class DLOConfig:
+    use_allgather: bool
+    rank: int  # this process's rank in the weight group
+    shard_count: int  # ranks sharing the weights (1 in rank-local mode)
+    world_size: int  # ranks in the weight group
+
+
+def find_block_lists(model: nn.Module) -> list[str]:
+    """Dotted paths of the outermost ModuleLists that hold most of the parameters."""
+    total = sum(p.numel() for p in model.parameters())
+    found: list[tuple[str, int]] = []
+    for name, mod in model.named_modules():
+        if not name or not isinstance(mod, nn.ModuleList) or len(mod) < 2:
+            continue
+        if any(name.startswith(prefix + ".") for prefix, _ in found):
+            continue  # nested inside a list already found
+        found.append((name, sum(p.numel() for p in mod.parameters())))
+    chosen = [name for name, n in found if total and n >= _MIN_LIST_SHARE * total]
+    held = sum(n for name, n in found if name in chosen)
+    if not chosen or held * 2 <= total:
+        largest = max(found, key=lambda item: item[1], default=None)
+        detail = (f"the largest, {largest[0]!r}, holds {largest[1] / max(total, 1):.0%} of the "
+                  "parameters" if largest else "the model has no nn.ModuleList of 2+ modules")
+        raise ValueError(f"no block list found in {type(model).__name__}: {detail}; "
+                         "pass blocks=[...] with the dotted paths of its block lists")
+    return chosen
+
+
+def _resolve_block_lists(model: nn.Module, blocks: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    paths = find_block_lists(model) if blocks is None else list(blocks)
+    if isinstance(blocks, str):
+        raise ValueError(f"blocks must be a list of dotted paths, got the string {blocks!r}")
+    out = []
+    for path in paths:
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError as exc:
+            raise ValueError(f"block list {path!r} not found in {type(model).__name__}") from exc
+        if not isinstance(mod, nn.ModuleList | nn.Sequential) or len(mod) == 0:
+            raise ValueError(f"block list {path!r} is a {type(mod).__name__}, expected a "
+                             "non-empty nn.ModuleList")
+        out.append((path, mod))
+    for i, (a, _) in enumerate(out):
+        for b, _ in out[i + 1:]:
+            if a == b or a.startswith(b + ".") or b.startswith(a + "."):
+                raise ValueError(f"block lists {a!r} and {b!r} overlap")
+    return out
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's data (a contiguous copy only if it was not contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class _Source:
+    """Where a block tensor's bytes come from: the checkpoint mapping or the model's tensor."""
+
+    def __init__(self, checkpoint: Checkpoint | None) -> None:
+        self.checkpoint = checkpoint
+        self.model_tensors: dict[str, torch.Tensor] = {}
+
+    def bytes(self, name: str) -> torch.Tensor:
+        if self.checkpoint is not None:
+            return self.checkpoint.byte_view(name)
+        return self.model_tensors[name]
+
+    def done_with(self, name: str, begin: int, end: int) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.release(name, begin, end)
+
+
+def _check_against_checkpoint(entries: list[tuple[str, torch.Tensor]], ckpt: Checkpoint) -> list[str]:
+    problems = []
+    missing = [name for name, _ in entries if name not in ckpt]
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        problems.append(f"checkpoint is missing {len(missing)} key(s): {shown}{more}")
+    for name, t in entries:
+        if name not in ckpt:
+            continue
+        info = ckpt.info(name)
+        if info.shape != tuple(t.shape):
+            problems.append(f"checkpoint tensor {name!r} has shape {list(info.shape)}, "
+                            f"the model expects {list(t.shape)}")
+        elif info.dtype != t.dtype:
+            problems.append(f"checkpoint tensor {name!r} has dtype {info.dtype}, "
+                            f"the model expects {t.dtype}")
+    return problems
+
+
+class DLOHandle:
+    """The live offload state of one model. Build it with :func:`apply_dlo`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layouts: list[BlockLayout],
+        block_modules: list[nn.Module],
+        *,
+        config: DLOConfig,
+        platform: Platform,
+        group: Any,
+        source: _Source,
+        resident_bytes: int,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.platform = platform
+        self._layouts = layouts
+        self._group = group
+        self._source = source
+        self._resident_bytes = resident_bytes
+        self._max_block_bytes = max(lay.padded_bytes for lay in layouts)
+        self._lock = threading.Lock()
+        self._gather_seconds = 0.0
+        self._wait_seconds = 0.0
+        self._timing_events: list[tuple[str, Any, Any]] = []  # accelerator intervals to sum
+        self._closed = False
+
+        self._placeholders = {
+            e.name: self._placeholder(e) for lay in layouts for e in lay.entries
+        }
+        self._slab, self._shards = self._fill_slab() if config.use_allgather else (None, [])
+        self._staging = (
+            platform.empty_host(self._max_block_bytes, pinned=True)
+            if platform.is_accelerator and not config.use_allgather else None
+        )
+        self._staging_free: Any = None
+        self._slots = [platform.empty_device(self._max_block_bytes) for _ in range(2)]
+        self._slot_free: list[Any] = [None, None]  # compute-stream events: slot no longer read
+        self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._side_stream = platform.new_stream()
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-dlo")
+        self._inflight: dict[int, tuple[int, cf.Future[Any]]] = {}  # block -> (slot, ready)
+        self._bound: tuple[int, int] | None = None  # (block, slot) bound as views right now
+        self._hooks: list[RemovableHandle] = []
+        for lay, mod in zip(layouts, block_modules, strict=True):
+            self._unbind(lay)
+            self._hooks.append(mod.register_forward_pre_hook(self._make_pre_hook(lay.index)))
+            self._hooks.append(mod.register_forward_hook(self._make_post_hook(lay.index)))
+        self._prefetch(0, slot=0)
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    @staticmethod
+    def _placeholder(e: Entry) -> torch.Tensor:
+        t = torch.empty(e.shape, dtype=e.dtype, device="meta")
+        return nn.Parameter(t, requires_grad=False) if e.is_param else t
+
+    def _fill_slab(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Copy this rank's shard of every block into one host slab, straight from the source."""
+        rank = self.config.rank
+        total = sum(lay.shard_bytes for lay in self._layouts)
+        slab = self.platform.empty_host(total, pinned=True)
+        shards = []
+        pos = 0
+        for lay in self._layouts:
+            shard = slab[pos : pos + lay.shard_bytes]
+            lo, hi = lay.shard_range(rank)
+            shard.zero_()  # padding bytes, so every rank gathers deterministic contents
+            for e in lay.entries:
+                begin, end = max(lo, e.offset), min(hi, e.offset + e.nbytes)
+                if begin >= end:
+                    continue
+                src = self._source.bytes(e.name)
+                shard[begin - lo : end - lo].copy_(src[begin - e.offset : end - e.offset])
+                self._source.done_with(e.name, begin - e.offset, end - e.offset)
+            shards.append(shard)
+            pos += lay.shard_bytes
+        # The model's own copies of the block tensors are no longer needed.
+        self._source.model_tensors.clear()
+        return slab, shards
+
+    # ---- the transfer thread ------------------------------------------------------------
+
+    def _load(self, index: int, slot_index: int) -> Any:
+        """Runs on the transfer thread: fill ``slot_index`` with block ``index``."""
+        lay = self._layouts[index]
+        slot = self._slots[slot_index][: lay.padded_bytes]
+        p = self.platform
+        t0 = time.perf_counter()
+        with p.use_stream(self._side_stream):
+            start = p.record_event(self._side_stream)
+            if self._slot_free[slot_index] is not None:
+                # The previous block in this slot may still be computing on the compute stream.
+                p.wait_event(self._slot_free[slot_index], self._side_stream)
+            if self.config.use_allgather:
+                lo, hi = lay.shard_range(self.config.rank)
+                slot[lo:hi].copy_(self._shards[index], non_blocking=True)
+                if self.config.world_size > 1:
+                    # In place: this rank's shard already sits at its position in the output.
+                    _all_gather(slot, slot[lo:hi], self._group)
+            else:
+                self._stream_whole_block(lay, slot)
+            ready = p.record_event(self._side_stream)
+        if p.is_accelerator:
+            with self._lock:
+                self._timing_events.append(("gather", start, ready))
+        else:
+            with self._lock:
+                self._gather_seconds += time.perf_counter() - t0
+        return ready
+
+    def _stream_whole_block(self, lay: BlockLayout, slot: torch.Tensor) -> None:
+        p = self.platform
+        dst = slot if self._staging is None else self._staging[: lay.padded_bytes]
+        if self._staging_free is not None:
+            # The previous block's copy out of the staging buffer must finish before reuse.
+            p.synchronize_event(self._staging_free)
+        for e in lay.entries:
+            dst[e.offset : e.offset + e.nbytes].copy_(self._source.bytes(e.name))
+        if self._staging is not None:
+            slot.copy_(dst, non_blocking=True)
+            self._staging_free = p.record_event(self._side_stream)
+
+    def _prefetch(self, index: int, slot: int) -> None:
+        self._inflight[index] = (slot, self._executor.submit(self._load, index, slot))
+
+    def _next(self, index: int) -> int:
+        return (index + 1) % len(self._layouts)
+
+    # ---- the forward --------------------------------------------------------------------
+
+    def _acquire(self, index: int) -> int:
+        """Wait until block ``index`` is in a slot, start the next prefetch, return the slot."""
+        if self._closed:
+            raise RuntimeError("this DLO handle is closed")
+        if self._bound is not None:  # a previous forward raised inside a block
+            self._unbind(self._layouts[self._bound[0]])
+            self._bound = None
+        if index not in self._inflight:
+            # The blocks ran out of the declared order. Every rank runs the same code, so every
+            # rank takes this branch too and the gathers stay in step.
+            log.debug("DLO: block %d requested out of order; loading it synchronously", index)
+            for _, fut in self._inflight.values():
+                fut.result()
+            self._inflight.clear()
+            self._prefetch(index, slot=0)
+        slot, fut = self._inflight.pop(index)
+        p = self.platform
+        t0 = time.perf_counter()
+        ready = fut.result()
+        if p.is_accelerator:
+            before = p.record_event()
+            p.wait_event(ready)  # compute must not read the slot before the gather lands
+            with self._lock:
+                self._timing_events.append(("wait", before, p.record_event()))
+        else:
+            with self._lock:
+                self._wait_seconds += time.perf_counter() - t0
+        self._prefetch(self._next(index), slot=1 - slot)
+        return slot
+
+    def _release(self, index: int, slot: int) -> None:
+        # Recorded on the compute stream: the next fill of this slot waits for it.
+        self._slot_free[slot] = self.platform.record_event()
+
+    def _views_for(self, index: int, slot: int) -> dict[str, torch.Tensor]:
+        key = (index, slot)
+        if key not in self._views:
+            buf = self._slots[slot]
+            views = {}
+            for e in self._layouts[index].entries:
+                t = buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+                views[e.name] = nn.Parameter(t, requires_grad=False) if e.is_param else t
+            self._views[key] = views
+        return self._views[key]
+
+    def _bind(self, index: int, slot: int) -> None:
+        views = self._views_for(index, slot)
+        for e in self._layouts[index].entries:
+            _set_tensor(e, views[e.name])
+        self._bound = (index, slot)
+
+    def _unbind(self, lay: BlockLayout) -> None:
+        for e in lay.entries:
+            _set_tensor(e, self._placeholders[e.name])
+
+    def _make_pre_hook(self, index: int) -> Any:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            self._bind(index, self._acquire(index))
+
+        return pre_hook
+
+    def _make_post_hook(self, index: int) -> Any:
+        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            assert self._bound is not None and self._bound[0] == index
+            slot = self._bound[1]
+            self._unbind(self._layouts[index])
+            self._bound = None
+            self._release(index, slot)
+
+        return post_hook
+
+    # ---- public -------------------------------------------------------------------------
+
+    def idle_forward(self) -> None:
+        """Take part in one forward's worth of gathers without computing.
+
+        A rank with no work calls this once for every forward the other ranks run, so their
+        collectives find a partner.
+        """
+        for index in range(len(self._layouts)):
+            slot = self._acquire(index)
+            self._release(index, slot)
+
+    def stats(self) -> dict[str, Any]:
+        if self._timing_events:
+            self.platform.synchronize()
+            with self._lock:
+                events, self._timing_events = self._timing_events, []
+            for kind, start, end in events:
+                seconds = self.platform.event_elapsed_seconds(start, end)
+                if kind == "gather":
+                    self._gather_seconds += seconds
+                else:
+                    self._wait_seconds += seconds
+        host_bytes = (
+            self._slab.numel() if self._slab is not None
+            else self._staging.numel() if self._staging is not None else 0
+        )
+        return {
+            "num_blocks": len(self._layouts),
+            "max_block_bytes": self._max_block_bytes,
+            "device_weight_buffer_bytes": sum(s.numel() for s in self._slots),
+            "resident_bytes": self._resident_bytes,
+            "host_shard_bytes": host_bytes,
+            "shard_count": self.config.shard_count,
+            "gather_seconds": self._gather_seconds,
+            "wait_seconds": self._wait_seconds,
+            "mode": "allgather" if self.config.use_allgather else "rank-local",
+        }
+
+    def close(self) -> None:
+        """Release the slots, the host slab, the hooks and the weight group."""
+        if self._closed:
+            return
+        for _, fut in self._inflight.values():
+            fut.result()
+        self._inflight.clear()
+        self._executor.shutdown(wait=True)
+        self.platform.synchronize()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._views.clear()
+        self._slots = []
+        self._shards = []
+        for buf in (self._slab, self._staging):
+            if buf is not None:
+                self.platform.release_host(buf)
+        self._slab = self._staging = None
+        self._source.model_tensors.clear()
+        if self._source.checkpoint is not None:
+            self._source.checkpoint.close()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+        self._closed = True
+
+
+def _set_tensor(e: Entry, t: torch.Tensor) -> None:
+    if e.is_param:
+        e.module._parameters[e.attr] = t  # type: ignore[assignment]
+    else:
+        e.module._buffers[e.attr] = t
+
+
+def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, shard, group=group)
+
+
+def _weight_group(group: Any, backend: str) -> tuple[Any, int, int]:
+    """(dedicated weight-gather group or None, rank in it, its size)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(
+        range(dist.get_world_size())
+    )
+    if len(ranks) == 1:
+        return None, 0, 1
+    # A group of its own, so the gathers never interleave with the caller's collectives; only
+    # its members need to take part in creating it.
+    wgroup = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
+    return wgroup, dist.get_rank(wgroup), len(ranks)
+
+
+def _agree(group: Any, error: str | None, digest: str) -> None:
+    """Raise the same ValueError on every rank if any rank failed or the layouts differ."""
+    if group is None:
+        if error:
+            raise ValueError(error)
+        return
+    results: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(results, (error, digest), group=group)
+    failures: dict[str, list[int]] = {}
+    for rank, (err, _) in enumerate(results):
+        if err:
+            failures.setdefault(err, []).append(rank)
+    if failures:
+        raise ValueError("; ".join(f"rank(s) {','.join(map(str, r))}: {msg}"
+                                   for msg, r in failures.items()))
+    digests = [d for _, d in results]
+    if len(set(digests)) > 1:
+        raise ValueError("the shard layouts differ across ranks (layout digest per rank: "
+                         f"{digests}); every rank must build the same model with the same "
+                         "dtypes and block lists")
+
+
+def apply_dlo(
+    model: nn.Module,
+    *,
+    checkpoint: CheckpointSpec | None = None,
+    blocks: Sequence[str] | None = None,
+    group: Any = None,
+    use_allgather: bool = True,
+    device: torch.device | str | None = None,
+) -> DLOHandle:
+    """Stream ``model``'s block lists through two device slots; see the module docstring.
+
+    Args:
+        model: materialised on the CPU, or built on the meta device when ``checkpoint`` is given.
+        checkpoint: a safetensors file, a directory of them, or a list of files, keyed by the
+            model's ``state_dict()`` names; read through shared memory maps.
+        blocks: dotted paths of the ModuleLists to stream; None finds them.
+        group: the process group sharing the weights; None is the default group when
+            torch.distributed is initialised, else this process alone.
+        use_allgather: shard the weights across the group (False: rank-local streaming).
+        device: where the forward runs; default the current accelerator, else the CPU.
+    """
+    platform = get_platform(device)
+    block_lists = _resolve_block_lists(model, blocks)
+    wgroup, rank, world = _weight_group(group, platform.backend)
+    shard_count = world if use_allgather else 1
+    config = DLOConfig(use_allgather=use_allgather, rank=rank, shard_count=shard_count,
+                       world_size=world)
+
+    error: str | None = None
+    layouts: list[BlockLayout] = []
+    modules: list[nn.Module] = []
+    ckpt: Checkpoint | None = None
+    source = _Source(None)
+    resident_bytes = 0
+    try:
+        for path, blist in block_lists:
+            for i, block in enumerate(blist):
+                layouts.append(build_layout(len(layouts), f"{path}.{i}", block, shard_count))
+                modules.append(block)
+        streamed = {e.name for lay in layouts for e in lay.entries}
+        block_ids = {id(t) for path, blist in block_lists
+                     for _, _, _, _, t in block_tensors(path, blist)}
+        resident = [(n, t) for n, t in model.state_dict(keep_vars=True).items()
+                    if n not in streamed and id(t) not in block_ids]
+        wanted = [(e.name, torch.empty(e.shape, dtype=e.dtype, device="meta"))
+                  for lay in layouts for e in lay.entries] + resident
+        if checkpoint is not None:
+            ckpt = Checkpoint.open(checkpoint)
+            problems = _check_against_checkpoint(wanted, ckpt)
+            if problems:
+                error = "; ".join(problems)
+        else:
+            on_meta = [n for n, t in wanted if t.is_meta and n not in streamed] + [
+                e.name for lay in layouts for e in lay.entries if _current(e).is_meta
+            ]
+            if on_meta:
+                error = (f"{len(on_meta)} tensor(s) are on the meta device (e.g. {on_meta[0]!r}) "
+                         "and no checkpoint was given to load them from")
+        if error is None:
+            source = _Source(ckpt)
+            resident_bytes = _place_resident(model, platform.device, ckpt, streamed, block_ids)
+            if ckpt is None:
+                source.model_tensors = {
+                    e.name: _bytes_of(_current(e)) for lay in layouts for e in lay.entries
+                }
+    except ValueError as exc:
+        error = str(exc)
+    try:
+        _agree(wgroup, error, layout_digest(layouts, shard_count))
+    except ValueError:
+        if ckpt is not None:
+            ckpt.close()
+        if wgroup is not None:
+            dist.destroy_process_group(wgroup)
+        raise
+    return DLOHandle(model, layouts, modules, config=config, platform=platform, group=wgroup,
+                     source=source, resident_bytes=resident_bytes)
+
+
+def _current(e: Entry) -> torch.Tensor:
+    return e.module._parameters[e.attr] if e.is_param else e.module._buffers[e.attr]  # type: ignore[return-value]
+
+
+def _place_resident(model: nn.Module, device: torch.device, ckpt: Checkpoint | None,
+                    streamed: set[str], block_ids: set[int]) -> int:
+    """Put every non-block tensor on the device (from the checkpoint when given); return bytes."""
+    total = 0
+    placed: dict[int, torch.Tensor] = {}  # id(original) -> placed value, to keep tied tensors tied
+    for mod_name, mod in model.named_modules():
+        for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            for attr, t in list(table.items()):
+                if t is None or id(t) in block_ids:
+                    continue
+                if id(t) in placed:
+                    table[attr] = placed[id(t)]
+                    continue
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                if name in streamed:
+                    continue
+                if ckpt is not None and name in ckpt:
+                    value = ckpt.tensor(name)
+                elif t.is_meta:
+                    raise ValueError(f"tensor {name!r} is on the meta device and is not in the "
+                                     "checkpoint (a non-persistent buffer must be materialised "
+                                     "before apply_dlo)")
+                else:
+                    value = t.detach()
+                # On the CPU, .to() returns the same tensor: mmap-backed values stay shared.
+                value = value.to(device)
+                total += value.numel() * value.element_size()
+                new = nn.Parameter(value, requires_grad=t.requires_grad) if is_param else value
+                placed[id(t)] = table[attr] = new
+    return total
