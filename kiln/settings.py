@@ -1,0 +1,117 @@
+"""One validated configuration object for every kiln process (API, workers, CLI).
+
+Values come from the environment (prefix ``KILN_``; ``DATABASE_URL`` and ``REDIS_URL`` are also
+accepted unprefixed because every hosting platform sets those) or a ``.env`` file. The defaults run
+on a laptop: a SQLite file and an output directory under ``./var``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import AliasChoices, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Values copied from an example file that must never reach a shared deployment.
+PLACEHOLDER_SECRETS = frozenset({"changethis", "changeme", "password", "secret", "example"})
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KILN_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+    )
+
+    # "local" only warns about placeholder secrets; anything else refuses to start with them.
+    environment: Literal["local", "staging", "production"] = "local"
+
+    database_url: str = Field(
+        default="sqlite:///./var/kiln.db",
+        validation_alias=AliasChoices("KILN_DATABASE_URL", "DATABASE_URL"),
+    )
+    # None: `kiln up` starts a private Redis server and fills this in for its children.
+    redis_url: str | None = Field(
+        default=None, validation_alias=AliasChoices("KILN_REDIS_URL", "REDIS_URL")
+    )
+    # Every key kiln writes in Redis starts with this, so one Redis can serve several deployments
+    # (and tests can clean up exactly their own keys).
+    redis_prefix: str = "kiln:"
+
+    # Output store: a local directory unless storage_url is given (s3://bucket/optional/prefix).
+    output_dir: Path = Path("./var/outputs")
+    storage_url: str | None = None
+    s3_endpoint_url: str | None = None  # for S3-compatible servers (MinIO, Ceph, R2, ...)
+    s3_region: str | None = None
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
+    # Presigned download links for S3 outputs live this long.
+    url_expires_seconds: int = Field(default=3600, ge=1)
+
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=1, le=65535)
+
+    # Models a job may name; the first is used when a request names none.
+    models: list[str] = Field(default_factory=lambda: ["kiln-tiny"], min_length=1)
+
+    # Request bounds: every job-creating request is checked against these before it is stored.
+    min_size: int = Field(default=16, ge=8)
+    max_width: int = Field(default=1920, ge=16)
+    max_height: int = Field(default=1920, ge=16)
+    size_multiple: int = Field(default=8, ge=1)  # latent patching needs sizes divisible by this
+    max_num_frames: int = Field(default=257, ge=1)
+    max_fps: int = Field(default=60, ge=1)
+    default_fps: int = Field(default=8, ge=1)
+    max_num_inference_steps: int = Field(default=200, ge=1)
+    max_guidance_scale: float = Field(default=50.0, gt=0)
+    max_prompt_chars: int = Field(default=4000, ge=1)
+    max_metadata_bytes: int = Field(default=4096, ge=2)
+    max_body_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_schedule_days: int = Field(default=30, ge=1)  # how far ahead not_before/deadline may be
+    # Queued jobs a user may hold at once; beyond it submits get 429 with Retry-After.
+    max_queued_jobs_per_user: int = Field(default=1000, ge=1)
+    queue_full_retry_after_seconds: int = Field(default=30, ge=1)
+
+    # Worker leases: a running job whose lease is not renewed within this is given back to the
+    # queue (or marked dead after max_attempts attempts).
+    lease_seconds: int = Field(default=120, ge=5)
+    max_attempts: int = Field(default=3, ge=1)
+    # How often the API re-adds queued jobs from the database to the Redis ready index.
+    reconcile_interval_seconds: float = Field(default=60.0, gt=0)
+    # A worker group that has not reported for this long is shown as stale.
+    worker_stale_seconds: int = Field(default=60, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.default_fps > self.max_fps:
+            raise ValueError(f"default_fps ({self.default_fps}) exceeds max_fps ({self.max_fps})")
+        if self.min_size > min(self.max_width, self.max_height):
+            raise ValueError("min_size exceeds max_width or max_height")
+        if self.storage_url is not None and urlsplit(self.storage_url).scheme != "s3":
+            raise ValueError(f"storage_url must be s3://bucket[/prefix], got {self.storage_url!r}")
+        self._check_secret("s3_secret_access_key", self.s3_secret_access_key)
+        self._check_secret("database_url password", urlsplit(self.database_url).password)
+        if self.redis_url is not None:
+            self._check_secret("redis_url password", urlsplit(self.redis_url).password)
+        return self
+
+    def _check_secret(self, name: str, value: str | None) -> None:
+        if value is None or value.lower() not in PLACEHOLDER_SECRETS:
+            return
+        message = f"{name} is the placeholder {value!r}; set a real secret"
+        if self.environment == "local":
+            warnings.warn(message, stacklevel=2)
+        else:
+            raise ValueError(message)
+
+    @property
+    def default_model(self) -> str:
+        return self.models[0]
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process-wide settings, read once. Tests build their own `Settings` instead."""
+    return Settings()
