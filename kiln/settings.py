@@ -56,6 +56,13 @@ class Settings(BaseSettings):
     # Models a job may name; the first is used when a request names none.
     models: list[str] = Field(default_factory=lambda: ["kiln-tiny"], min_length=1)
 
+    # What a request that leaves these out gets.
+    default_width: int = Field(default=256, ge=8)
+    default_height: int = Field(default=256, ge=8)
+    default_num_frames: int = Field(default=17, ge=1)
+    default_num_inference_steps: int = Field(default=30, ge=1)
+    default_guidance_scale: float = Field(default=5.0, ge=0)
+
     # Request bounds: every job-creating request is checked against these before it is stored.
     min_size: int = Field(default=16, ge=8)
     max_width: int = Field(default=1920, ge=16)
@@ -89,6 +96,13 @@ class Settings(BaseSettings):
             raise ValueError(f"default_fps ({self.default_fps}) exceeds max_fps ({self.max_fps})")
         if self.min_size > min(self.max_width, self.max_height):
             raise ValueError("min_size exceeds max_width or max_height")
+        if not (self.min_size <= self.default_width <= self.max_width
+                and self.min_size <= self.default_height <= self.max_height):
+            raise ValueError("default_width/default_height are outside the size bounds")
+        if self.default_num_frames > self.max_num_frames:
+            raise ValueError("default_num_frames exceeds max_num_frames")
+        if self.default_num_inference_steps > self.max_num_inference_steps:
+            raise ValueError("default_num_inference_steps exceeds max_num_inference_steps")
         if self.storage_url is not None and urlsplit(self.storage_url).scheme != "s3":
             raise ValueError(f"storage_url must be s3://bucket[/prefix], got {self.storage_url!r}")
         self._check_secret("s3_secret_access_key", self.s3_secret_access_key)

@@ -1,0 +1,109 @@
+"""Service commands of the ``kiln`` CLI: ``kiln db upgrade``, ``kiln keys ...``, ``kiln api``.
+
+Importing this module attaches them to the Typer app in `kiln.cli`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kiln.cli import app
+from kiln.settings import Settings
+
+db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic migrations).")
+keys_app = typer.Typer(no_args_is_help=True, help="API keys.")
+app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
+) -> None:
+    """Create or update the schema to the latest (or given) revision."""
+    import migrations
+
+    settings = Settings()
+    migrations.upgrade(settings.database_url, revision)
+    typer.echo(f"database at revision {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision, e.g. -1 or base.")],
+) -> None:
+    """Step the schema back (drops data in removed tables)."""
+    import migrations
+
+    migrations.downgrade(Settings().database_url, revision)
+    typer.echo(f"database at revision {revision}")
+
+
+def _session(settings: Settings):  # noqa: ANN202 - a context-managed Session
+    from storage.db import make_engine, make_session_factory
+
+    return make_session_factory(make_engine(settings.database_url))()
+
+
+@keys_app.command("create")
+def keys_create(
+    user: Annotated[str, typer.Option("--user", help="User name; created if new.")],
+    admin: Annotated[bool, typer.Option("--admin", help="The user sees every job.")] = False,
+) -> None:
+    """Create an API key and print it. It is shown only this once."""
+    from storage.users import create_api_key
+
+    with _session(Settings()) as session:
+        try:
+            new = create_api_key(session, user, is_admin=admin)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--user") from exc
+        role = "admin" if new.user.is_admin else "user"
+        typer.echo(new.key)
+        typer.echo(f"key {new.prefix} for {role} {new.user.name!r}; store it now, it is not "
+                   "shown again", err=True)
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """List keys (prefixes only: the keys themselves are not stored)."""
+    from storage.users import list_api_keys
+
+    with _session(Settings()) as session:
+        for key, user in list_api_keys(session):
+            state = "revoked" if key.revoked_at else "active"
+            role = "admin" if user.is_admin else "user"
+            typer.echo(f"{key.prefix}  {user.name}  {role}  {state}  {key.created_at:%Y-%m-%d}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(prefix: Annotated[str, typer.Argument(help="The key's prefix.")]) -> None:
+    """Revoke a key by its prefix."""
+    from storage.users import revoke_api_key
+
+    with _session(Settings()) as session:
+        if not revoke_api_key(session, prefix):
+            raise typer.BadParameter("no active key with that prefix", param_hint="PREFIX")
+    typer.echo(f"revoked {prefix}")
+
+
+@app.command("api")
+def api(
+    host: Annotated[str | None, typer.Option(help="Bind address (default from settings).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default from settings).")] = None,
+    workers: Annotated[int, typer.Option(help="Uvicorn worker processes.")] = 1,
+) -> None:
+    """Serve the HTTP API (jobs, OpenAI-compatible videos, workers, metrics)."""
+    import uvicorn
+
+    settings = Settings()
+    if settings.redis_url is None:
+        raise typer.BadParameter(
+            "no Redis configured: set REDIS_URL (or use `kiln up`, which starts one)"
+        )
+    uvicorn.run(
+        "api.app:app_from_env", factory=True, host=host or settings.api_host,
+        port=port or settings.api_port, workers=workers, proxy_headers=True,
+    )

@@ -1,0 +1,628 @@
+"""The job repository: submit, read, list, cancel, and the guarded state transitions.
+
+Every state change is ONE conditional UPDATE whose WHERE names the state it expects (and, for a
+running job, the attempt token of the attempt making the change), written together with its
+`JobEvent` in one transaction and committed here. A write from an attempt that lost its lease
+therefore matches no row and changes nothing; the caller sees ``None``/``False`` and must stop.
+
+Worker side, in order (all take ``now`` for tests; it defaults to the current UTC time):
+
+- `claim_job(session, job_id, worker_group_id=..., rank=..., lease_seconds=...)` -> `Claim | None`
+  queued -> running with a fresh attempt token and lease; None if someone else got it, it was
+  cancelled, is not yet due (``not_before``), is past its deadline, or has used its attempts.
+- `heartbeat(session, job_id, token, step=..., total=..., lease_seconds=...)` -> `Beat | None`
+  renews the lease and records progress; ``Beat.cancel_requested`` tells the rank to stop after
+  this step; None means the attempt is no longer current: drop the job without writing anything.
+- `finish_succeeded(session, job_id, token, video_key=..., thumbnail_key=...)` -> bool
+- `finish_cancelled(session, job_id, token)` -> bool (after seeing ``cancel_requested``)
+- `fail_job(session, job_id, token, error=..., retryable=False)` -> new state or None
+- `reap(session)` -> `Reaped`: expired leases back to queued (or dead after ``max_attempts``,
+  or cancelled if a cancel was pending) and queued jobs past their deadline to expired. Run it
+  periodically; put `Reaped.requeued` back in the Redis ready index (`storage.ready.add`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import secrets
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, case, func, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from storage.models import (
+    JOB_ID_LENGTH,
+    TERMINAL_STATES,
+    Job,
+    JobClass,
+    JobEvent,
+    JobState,
+    User,
+    utcnow,
+)
+
+MIN_PRIORITY = 0
+MAX_PRIORITY = 9
+DEFAULT_PRIORITY = 5
+MAX_SEED = 2**63 - 1
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+# Ordering of classes for queue position: interactive work always goes first.
+_CLASS_RANK = {JobClass.INTERACTIVE.value: 0, JobClass.BATCH.value: 1}
+
+
+class IdempotencyConflict(ValueError):
+    """The idempotency key was already used by this user for a different request."""
+
+
+class QueueFull(Exception):
+    """The user already has the maximum number of queued jobs."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"you already have {limit} queued jobs, the most allowed; retry later")
+        self.limit = limit
+
+
+class JobBusy(ValueError):
+    """The job is running and the operation needs it queued or finished."""
+
+
+def new_job_id() -> str:
+    """20 lowercase letters and digits (~103 random bits): safe in URLs, paths and shells."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(JOB_ID_LENGTH))
+
+
+def is_job_id(value: str) -> bool:
+    return len(value) == JOB_ID_LENGTH and all(c in _ID_ALPHABET for c in value)
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSpec:
+    """A validated request: what the renderer needs plus scheduling hints."""
+
+    model: str
+    prompt: str
+    negative_prompt: str | None = None
+    width: int
+    height: int
+    num_frames: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int | None = None  # None: drawn now, so that a retried attempt renders the same video
+    job_class: JobClass = JobClass.INTERACTIVE
+    priority: int = DEFAULT_PRIORITY
+    not_before: datetime | None = None
+    deadline: datetime | None = None
+    webhook_url: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    batch_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Created:
+    job: Job
+    created: bool  # False: an idempotent replay returned the job made earlier
+
+
+def create_job(
+    session: Session,
+    owner: User,
+    spec: JobSpec,
+    *,
+    request_hash: str,
+    idempotency_key: str | None = None,
+    max_attempts: int = 3,
+    max_queued: int | None = None,
+    now: datetime | None = None,
+) -> Created:
+    """Stores a queued job and commits. Tell Redis (`storage.ready.add`) only after this returns.
+
+    Raises `IdempotencyConflict` when the key was used with another request, `QueueFull` when
+    the owner already has ``max_queued`` queued jobs (an idempotent replay is never refused).
+    """
+    if idempotency_key is not None:
+        existing = _by_idempotency_key(session, owner.id, idempotency_key)
+        if existing is not None:
+            return _replay(existing, request_hash)
+    if max_queued is not None:
+        # Two concurrent submits may both pass this count; the limit is a guard against runaway
+        # clients, not an exact quota, so one extra job is acceptable.
+        num_queued = session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.owner_id == owner.id, Job.state == JobState.QUEUED)
+        )
+        if num_queued is not None and num_queued >= max_queued:
+            raise QueueFull(max_queued)
+    now = now or utcnow()
+    job = Job(
+        id=new_job_id(),
+        owner_id=owner.id,
+        batch_id=spec.batch_id,
+        model=spec.model,
+        prompt=spec.prompt,
+        negative_prompt=spec.negative_prompt,
+        width=spec.width,
+        height=spec.height,
+        num_frames=spec.num_frames,
+        fps=spec.fps,
+        num_inference_steps=spec.num_inference_steps,
+        guidance_scale=spec.guidance_scale,
+        seed=spec.seed if spec.seed is not None else secrets.randbelow(2**31),
+        class_=JobClass(spec.job_class).value,
+        priority=spec.priority,
+        not_before=spec.not_before,
+        deadline=spec.deadline,
+        webhook_url=spec.webhook_url,
+        meta=dict(spec.metadata),
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+        state=JobState.QUEUED.value,
+        attempts=0,
+        max_attempts=max_attempts,
+        progress_step=0,
+        progress_total=spec.num_inference_steps,
+        cancel_requested=False,
+        created_at=now,
+    )
+    session.add(job)
+    session.add(JobEvent(job_id=job.id, at=now, kind="created", attempt=0))
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same idempotency key won the unique constraint.
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        existing = _by_idempotency_key(session, owner.id, idempotency_key)
+        if existing is None:
+            raise
+        return _replay(existing, request_hash)
+    return Created(job=job, created=True)
+
+
+def _by_idempotency_key(session: Session, owner_id: int, key: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.owner_id == owner_id, Job.idempotency_key == key))
+
+
+def _replay(existing: Job, request_hash: str) -> Created:
+    if existing.request_hash != request_hash:
+        raise IdempotencyConflict(
+            "this Idempotency-Key was already used with a different request body"
+        )
+    return Created(job=existing, created=False)
+
+
+def _visible(user: User) -> Any:
+    cond = Job.deleted_at.is_(None)
+    return cond if user.is_admin else and_(cond, Job.owner_id == user.id)
+
+
+def get_job(session: Session, job_id: str, user: User) -> Job | None:
+    """The job if ``user`` may see it (their own, or any for an admin); else None."""
+    if not is_job_id(job_id):
+        return None
+    return session.scalar(select(Job).where(Job.id == job_id, _visible(user)))
+
+
+def queue_position(session: Session, job: Job) -> int | None:
+    """How many queued jobs come before this one in priority order (0 = next); None if not queued.
+
+    Interactive before batch, then higher priority, then older first. The batcher may still
+    reorder within that (fairness between users, model compatibility), so this is an estimate.
+    """
+    if job.state != JobState.QUEUED:
+        return None
+    class_rank = case(_CLASS_RANK, value=Job.class_)
+    mine = _CLASS_RANK[job.class_]
+    ahead = or_(
+        class_rank < mine,
+        and_(
+            class_rank == mine,
+            or_(
+                Job.priority > job.priority,
+                and_(
+                    Job.priority == job.priority,
+                    or_(
+                        Job.created_at < job.created_at,
+                        and_(Job.created_at == job.created_at, Job.id < job.id),
+                    ),
+                ),
+            ),
+        ),
+    )
+    count = session.scalar(
+        select(func.count()).select_from(Job).where(Job.state == JobState.QUEUED, ahead)
+    )
+    return int(count or 0)
+
+
+def encode_cursor(job: Job) -> str:
+    raw = f"{job.created_at.isoformat()}|{job.id}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """Raises ValueError for anything that `encode_cursor` did not make."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        stamp, job_id = raw.split("|", 1)
+        created = datetime.fromisoformat(stamp)
+    except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError("cursor is not one this API returned") from exc
+    if created.tzinfo is None or not is_job_id(job_id):
+        raise ValueError("cursor is not one this API returned")
+    return created, job_id
+
+
+def list_jobs(
+    session: Session,
+    user: User,
+    *,
+    states: Sequence[str] = (),
+    model: str | None = None,
+    batch_id: str | None = None,
+    owner_id: int | None = None,
+    limit: int = 50,
+    cursor: str | None = None,
+    newest_first: bool = True,
+) -> tuple[list[Job], str | None]:
+    """A page of the jobs ``user`` may see and the cursor for the next page (None at the end).
+
+    Keyset pagination on (created_at, id): pages stay stable while new jobs arrive.
+    """
+    query = select(Job).where(_visible(user))
+    if states:
+        query = query.where(Job.state.in_(list(states)))
+    if model is not None:
+        query = query.where(Job.model == model)
+    if batch_id is not None:
+        query = query.where(Job.batch_id == batch_id)
+    if owner_id is not None:
+        query = query.where(Job.owner_id == owner_id)
+    if cursor is not None:
+        created, job_id = decode_cursor(cursor)
+        if newest_first:
+            query = query.where(
+                or_(Job.created_at < created, and_(Job.created_at == created, Job.id < job_id))
+            )
+        else:
+            query = query.where(
+                or_(Job.created_at > created, and_(Job.created_at == created, Job.id > job_id))
+            )
+    order = (
+        (Job.created_at.desc(), Job.id.desc()) if newest_first else (Job.created_at, Job.id)
+    )
+    rows = list(session.scalars(query.order_by(*order).limit(limit + 1)))
+    if len(rows) > limit:
+        return rows[:limit], encode_cursor(rows[limit - 1])
+    return rows, None
+
+
+def _event(session: Session, job_id: str, kind: str, now: datetime, attempt: int = 0,
+           **detail: Any) -> None:
+    session.execute(
+        insert(JobEvent).values(job_id=job_id, at=now, kind=kind, attempt=attempt, detail=detail)
+    )
+
+
+def _update_one(session: Session, job_id: str, *where: Any, **values: Any) -> Job | None:
+    """One conditional UPDATE of one job; the updated row, or None if the guard did not match."""
+    stmt = (
+        update(Job)
+        .where(Job.id == job_id, *where)
+        .values(**values)
+        .returning(Job)
+        .execution_options(synchronize_session=False, populate_existing=True)
+    )
+    return session.scalars(stmt).one_or_none()
+
+
+def request_cancel(
+    session: Session, job_id: str, user: User, *, now: datetime | None = None
+) -> tuple[Job, bool] | None:
+    """Cancels a queued job at once, or flags a running one for its rank to stop after the
+    current step. Returns (job, was_queued) -- remove a was-queued job from the ready index --
+    or None if ``user`` cannot see the job. A finished job is returned unchanged.
+    """
+    job = get_job(session, job_id, user)
+    if job is None:
+        return None
+    now = now or utcnow()
+    done = _update_one(
+        session, job_id, Job.state == JobState.QUEUED,
+        state=JobState.CANCELLED.value, cancel_requested=True, finished_at=now,
+        error="cancelled by the user before it started", error_code="cancelled",
+    )
+    if done is not None:
+        _event(session, job_id, "cancelled", now, done.attempts, by=user.name)
+        session.commit()
+        return done, True
+    flagged = _update_one(
+        session, job_id, Job.state == JobState.RUNNING, Job.cancel_requested.is_(False),
+        cancel_requested=True,
+    )
+    if flagged is not None:
+        _event(session, job_id, "cancel_requested", now, flagged.attempts, by=user.name)
+        session.commit()
+        return flagged, False
+    session.rollback()
+    session.refresh(job)
+    return job, False
+
+
+def delete_job(
+    session: Session, job_id: str, user: User, *, now: datetime | None = None
+) -> tuple[Job, bool] | None:
+    """Hides a finished (or still queued: it is cancelled first) job from its owner for good.
+
+    Returns (job, was_queued) or None if not visible; raises `JobBusy` for a running job. The
+    caller deletes the job's outputs from the store after this commits.
+    """
+    now = now or utcnow()
+    cancelled = request_cancel(session, job_id, user, now=now)
+    if cancelled is None:
+        return None
+    job, was_queued = cancelled
+    if job.state not in TERMINAL_STATES:
+        raise JobBusy("the job is running; it can be deleted once its cancel takes effect")
+    deleted = _update_one(
+        session, job_id, Job.deleted_at.is_(None),
+        Job.state.in_([s.value for s in TERMINAL_STATES]), deleted_at=now,
+    )
+    if deleted is None:
+        session.rollback()
+        return None
+    _event(session, job_id, "deleted", now, deleted.attempts, by=user.name)
+    session.commit()
+    return deleted, was_queued
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    job: Job  # the row as claimed: the request fields to render
+    attempt_token: str  # pass to every later call for this attempt
+    lease_expires_at: datetime
+
+
+def claim_job(
+    session: Session,
+    job_id: str,
+    *,
+    worker_group_id: str,
+    rank: int | None = None,
+    lease_seconds: float,
+    now: datetime | None = None,
+) -> Claim | None:
+    """queued -> running for one attempt; None if the job is not claimable right now."""
+    now = now or utcnow()
+    token = secrets.token_hex(16)
+    lease = now + timedelta(seconds=lease_seconds)
+    job = _update_one(
+        session,
+        job_id,
+        Job.state == JobState.QUEUED,
+        Job.cancel_requested.is_(False),
+        Job.attempts < Job.max_attempts,
+        or_(Job.not_before.is_(None), Job.not_before <= now),
+        or_(Job.deadline.is_(None), Job.deadline > now),
+        state=JobState.RUNNING.value,
+        attempts=Job.attempts + 1,
+        attempt_token=token,
+        lease_expires_at=lease,
+        worker_group_id=worker_group_id,
+        rank=rank,
+        progress_step=0,
+        progress_total=Job.num_inference_steps,
+        started_at=now,
+    )
+    if job is None:
+        session.rollback()
+        return None
+    _event(session, job_id, "claimed", now, job.attempts, worker_group_id=worker_group_id,
+           rank=rank)
+    session.commit()
+    return Claim(job=job, attempt_token=token, lease_expires_at=lease)
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    cancel_requested: bool  # stop after this step and call finish_cancelled
+    lease_expires_at: datetime
+
+
+def heartbeat(
+    session: Session,
+    job_id: str,
+    attempt_token: str,
+    *,
+    step: int | None = None,
+    total: int | None = None,
+    lease_seconds: float,
+    now: datetime | None = None,
+) -> Beat | None:
+    """Renews the lease and records progress (no event: one per step would flood the table)."""
+    now = now or utcnow()
+    lease = now + timedelta(seconds=lease_seconds)
+    values: dict[str, Any] = {"lease_expires_at": lease}
+    if step is not None:
+        values["progress_step"] = step
+    if total is not None:
+        values["progress_total"] = total
+    job = _update_one(
+        session, job_id, Job.state == JobState.RUNNING, Job.attempt_token == attempt_token,
+        **values,
+    )
+    if job is None:
+        session.rollback()
+        return None
+    session.commit()
+    return Beat(cancel_requested=job.cancel_requested, lease_expires_at=lease)
+
+
+def finish_succeeded(
+    session: Session,
+    job_id: str,
+    attempt_token: str,
+    *,
+    video_key: str,
+    thumbnail_key: str | None = None,
+    now: datetime | None = None,
+) -> bool:
+    """running -> succeeded; False (nothing written) if this attempt is no longer current."""
+    now = now or utcnow()
+    started = session.scalar(
+        select(Job.started_at).where(Job.id == job_id, Job.attempt_token == attempt_token)
+    )
+    job = _update_one(
+        session, job_id, Job.state == JobState.RUNNING, Job.attempt_token == attempt_token,
+        state=JobState.SUCCEEDED.value, finished_at=now, lease_expires_at=None,
+        progress_step=Job.progress_total, output_video_key=video_key,
+        output_thumbnail_key=thumbnail_key,
+        render_seconds=(now - started).total_seconds() if started is not None else None,
+        error=None, error_code=None,
+    )
+    if job is None:
+        session.rollback()
+        return False
+    _event(session, job_id, "succeeded", now, job.attempts, render_seconds=job.render_seconds)
+    session.commit()
+    return True
+
+
+def finish_cancelled(
+    session: Session, job_id: str, attempt_token: str, *, now: datetime | None = None
+) -> bool:
+    """running -> cancelled, once the rank has stopped after seeing ``cancel_requested``."""
+    now = now or utcnow()
+    job = _update_one(
+        session, job_id, Job.state == JobState.RUNNING, Job.attempt_token == attempt_token,
+        Job.cancel_requested.is_(True),
+        state=JobState.CANCELLED.value, finished_at=now, lease_expires_at=None,
+        error="cancelled by the user while rendering", error_code="cancelled",
+    )
+    if job is None:
+        session.rollback()
+        return False
+    _event(session, job_id, "cancelled", now, job.attempts, at_step=job.progress_step)
+    session.commit()
+    return True
+
+
+def fail_job(
+    session: Session,
+    job_id: str,
+    attempt_token: str,
+    *,
+    error: str,
+    code: str = "render_failed",
+    retryable: bool = False,
+    now: datetime | None = None,
+) -> JobState | None:
+    """Ends this attempt with an error. Not retryable -> failed. Retryable (the worker, not the
+    request, was at fault) -> queued again while attempts remain, else dead. Returns the new
+    state, or None if the attempt is no longer current. A job back in `queued` must be re-added
+    to the ready index by the caller.
+    """
+    now = now or utcnow()
+    guard = (Job.state == JobState.RUNNING, Job.attempt_token == attempt_token)
+    if retryable:
+        job = _update_one(
+            session, job_id, *guard, Job.attempts < Job.max_attempts,
+            Job.cancel_requested.is_(False),
+            **_requeue_values(error, code),
+        )
+        if job is not None:
+            _event(session, job_id, "requeued", now, job.attempts, error=error, code=code)
+            session.commit()
+            return JobState.QUEUED
+    new_state = JobState.DEAD if retryable else JobState.FAILED
+    job = _update_one(
+        session, job_id, *guard,
+        state=new_state.value, finished_at=now, lease_expires_at=None, error=error,
+        error_code=code,
+    )
+    if job is None:
+        session.rollback()
+        return None
+    _event(session, job_id, new_state.value, now, job.attempts, error=error, code=code)
+    session.commit()
+    return new_state
+
+
+def _requeue_values(error: str, code: str) -> dict[str, Any]:
+    return dict(
+        state=JobState.QUEUED.value, attempt_token=None, lease_expires_at=None,
+        worker_group_id=None, rank=None, progress_step=0, started_at=None, error=error,
+        error_code=code,
+    )
+
+
+@dataclass(slots=True)
+class Reaped:
+    requeued: list[Job] = field(default_factory=list)  # add these back to the ready index
+    dead: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
+
+
+def reap(session: Session, *, now: datetime | None = None) -> Reaped:
+    """Deals with running jobs whose lease ran out and queued jobs past their deadline; commits.
+
+    Each UPDATE is guarded by the state and the lease time, so a worker that renews its lease
+    concurrently keeps its job.
+    """
+    now = now or utcnow()
+    out = Reaped()
+    lapsed = (Job.state == JobState.RUNNING, Job.lease_expires_at < now)
+
+    def bulk(*where: Any, **values: Any) -> list[Job]:
+        stmt = (
+            update(Job).where(*where).values(**values).returning(Job)
+            .execution_options(synchronize_session=False, populate_existing=True)
+        )
+        return list(session.scalars(stmt))
+
+    for job in bulk(*lapsed, Job.cancel_requested.is_(True),
+                    state=JobState.CANCELLED.value, finished_at=now, lease_expires_at=None,
+                    error="cancelled; its worker stopped reporting", error_code="cancelled"):
+        out.cancelled.append(job.id)
+        _event(session, job.id, "cancelled", now, job.attempts, reason="lease expired")
+    lost = "its worker stopped reporting (lease expired)"
+    for job in bulk(*lapsed, Job.attempts >= Job.max_attempts,
+                    state=JobState.DEAD.value, finished_at=now, lease_expires_at=None,
+                    error=f"gave up after its last allowed attempt: {lost}", error_code="dead"):
+        out.dead.append(job.id)
+        _event(session, job.id, "dead", now, job.attempts, reason="lease expired")
+    for job in bulk(*lapsed, **_requeue_values(lost, "lease_expired")):
+        out.requeued.append(job)
+        _event(session, job.id, "requeued", now, job.attempts, reason="lease expired")
+    for job in bulk(Job.state == JobState.QUEUED, Job.deadline < now,
+                    state=JobState.EXPIRED.value, finished_at=now,
+                    error="its deadline passed before it could start", error_code="expired"):
+        out.expired.append(job.id)
+        _event(session, job.id, "expired", now, job.attempts)
+    session.commit()
+    return out
+
+
+def job_events(session: Session, job_id: str) -> list[JobEvent]:
+    return list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id)
+                                .order_by(JobEvent.id)))
+
+
+def running_jobs_by_group(session: Session, group_ids: Sequence[str]) -> dict[str, list[Job]]:
+    if not group_ids:
+        return {}
+    rows = session.scalars(select(Job).where(Job.state == JobState.RUNNING,
+                                             Job.worker_group_id.in_(list(group_ids))))
+    out: dict[str, list[Job]] = {}
+    for job in rows:
+        out.setdefault(job.worker_group_id or "", []).append(job)
+    return out

@@ -1,0 +1,238 @@
+"""SQLAlchemy tables: users and their API keys, jobs, batches, worker groups, job events.
+
+The schema is created and changed only by the Alembic revisions in ``migrations/``; these classes
+are what the code reads and writes, and a test checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Named constraints so that migrations can refer to them on every backend.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+JOB_ID_LENGTH = 20
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend.
+
+    PostgreSQL keeps ``timestamptz``; SQLite has no time zones, so values are stored as naive UTC
+    (which keeps its text comparisons in lease and deadline queries correct) and come back aware.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column; use datetime.now(UTC)")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # gave a reason a person can act on; not retried
+    CANCELLED = "cancelled"
+    DEAD = "dead"  # lost its worker (or failed retryably) max_attempts times
+    EXPIRED = "expired"  # its deadline passed before it could start
+
+
+TERMINAL_STATES = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.DEAD, JobState.EXPIRED}
+)
+
+
+class JobClass(enum.StrEnum):
+    INTERACTIVE = "interactive"  # someone waits for it: always before batch work
+    BATCH = "batch"  # overnight bulk work
+
+
+def _in(values: type[enum.StrEnum]) -> str:
+    return ", ".join(f"'{v.value}'" for v in values)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON()}
+
+
+# SQLite only auto-increments INTEGER PRIMARY KEY, not BIGINT.
+BigIntId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class User(Base):
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    """A bearer key. Only its SHA-256 is kept; ``prefix`` is the visible part used for lookup."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+
+
+class Batch(Base):
+    """A named group of jobs submitted together (an overnight prompt list)."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(JOB_ID_LENGTH), primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint(f"state IN ({_in(JobState)})", name="state"),
+        CheckConstraint(f"job_class IN ({_in(JobClass)})", name="job_class"),
+        # Same key twice from one user is the same request; NULL keys never collide.
+        UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        # Listing one user's jobs newest first, with a keyset cursor.
+        Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
+        # Counting a user's queued jobs (the per-user limit) and rebuilding the ready index.
+        Index("ix_jobs_owner_state", "owner_id", "state"),
+        Index("ix_jobs_state_order", "state", "job_class", "priority", "created_at"),
+        # The reaper: running jobs whose lease ran out.
+        Index("ix_jobs_state_lease", "state", "lease_expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(JOB_ID_LENGTH), primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    batch_id: Mapped[str | None] = mapped_column(
+        ForeignKey("batches.id", ondelete="SET NULL"), index=True
+    )
+
+    # The request, as validated by the API.
+    model: Mapped[str] = mapped_column(String(100))
+    prompt: Mapped[str] = mapped_column(Text)
+    negative_prompt: Mapped[str | None] = mapped_column(Text)
+    width: Mapped[int]
+    height: Mapped[int]
+    num_frames: Mapped[int]
+    fps: Mapped[int]
+    num_inference_steps: Mapped[int]
+    guidance_scale: Mapped[float] = mapped_column(Float)
+    seed: Mapped[int] = mapped_column(BigInteger)  # drawn at submit when not given: re-runs match
+    class_: Mapped[str] = mapped_column("job_class", String(16), default=JobClass.INTERACTIVE.value)
+    priority: Mapped[int] = mapped_column(default=5)  # higher runs first within a class
+    not_before: Mapped[datetime | None]
+    deadline: Mapped[datetime | None]
+    webhook_url: Mapped[str | None] = mapped_column(String(2048))
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    request_hash: Mapped[str] = mapped_column(String(64))
+
+    # Lifecycle; every change goes through a guarded UPDATE in storage.jobs.
+    state: Mapped[str] = mapped_column(String(16), default=JobState.QUEUED.value)
+    attempts: Mapped[int] = mapped_column(default=0)
+    max_attempts: Mapped[int] = mapped_column(default=3)
+    attempt_token: Mapped[str | None] = mapped_column(String(32))
+    lease_expires_at: Mapped[datetime | None]
+    worker_group_id: Mapped[str | None] = mapped_column(String(64))
+    rank: Mapped[int | None]
+    progress_step: Mapped[int] = mapped_column(default=0)
+    progress_total: Mapped[int] = mapped_column(default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    error: Mapped[str | None] = mapped_column(Text)
+    error_code: Mapped[str | None] = mapped_column(String(32))
+
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]  # start of the latest attempt
+    finished_at: Mapped[datetime | None]
+    render_seconds: Mapped[float | None] = mapped_column(Float)  # of the successful attempt
+    deleted_at: Mapped[datetime | None]  # hidden from users; the row stays for accounting
+
+    output_video_key: Mapped[str | None] = mapped_column(String(255))
+    output_thumbnail_key: Mapped[str | None] = mapped_column(String(255))
+
+
+class WorkerGroup(Base):
+    """A persistent torch.distributed worker group, as it last reported itself."""
+
+    __tablename__ = "worker_groups"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    host: Mapped[str] = mapped_column(String(255))
+    model: Mapped[str] = mapped_column(String(100))
+    mode: Mapped[str] = mapped_column(String(32))  # "allgather" | "rank_local"
+    platform: Mapped[str] = mapped_column(String(32))  # "cuda" | "npu" | "cpu"
+    dp_size: Mapped[int]
+    world_size: Mapped[int]
+    state: Mapped[str] = mapped_column(String(16), default="starting")
+    # One entry per rank: {"rank", "device", "device_mem_used_bytes", "device_mem_total_bytes",
+    # "host_mem_bytes", "job_id"}; replaced whole at every report.
+    ranks: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class JobEvent(Base):
+    """Append-only history of a job: one row per state change, written with the change."""
+
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    kind: Mapped[str] = mapped_column(String(32))
+    attempt: Mapped[int] = mapped_column(default=0)
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)

@@ -1,0 +1,181 @@
+"""Output stores: where finished videos and thumbnails live.
+
+One small interface, two implementations: `LocalStore` (a directory; the default) and `S3Store`
+(any S3-compatible server; needs the ``s3`` extra). Keys come from `video_key` / `thumbnail_key`,
+which derive them from the job id alone, so no request field ever becomes part of a path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Protocol
+from urllib.parse import urlsplit
+
+from kiln.settings import Settings
+
+_KEY = re.compile(r"^[a-z]+/[a-z0-9]{1,64}\.[a-z0-9]{2,4}$")
+
+
+def video_key(job_id: str) -> str:
+    return _checked(f"videos/{job_id}.mp4")
+
+
+def thumbnail_key(job_id: str) -> str:
+    return _checked(f"thumbnails/{job_id}.png")
+
+
+def _checked(key: str) -> str:
+    if not _KEY.match(key):
+        raise ValueError(f"not a valid output key: {key!r}")
+    return key
+
+
+class OutputStore(Protocol):
+    def put(self, key: str, path: Path) -> None:
+        """Stores the file at ``path`` under ``key``, atomically: readers see all of it or none."""
+
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    def open(self, key: str) -> IO[bytes]:
+        """Reads the object; raises FileNotFoundError if absent."""
+
+    def url(self, key: str) -> str | None:
+        """A direct download URL, or None when the API must stream it (`open`)."""
+
+    def local_path(self, key: str) -> Path | None:
+        """The file on this machine, when there is one (lets the API send it efficiently)."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> None:
+        """Removes the object; absent objects are not an error."""
+
+
+class LocalStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+
+    def _path(self, key: str) -> Path:
+        return self.root / _checked(key)
+
+    def put(self, key: str, path: Path) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Copy to a temporary name in the same directory, then rename over the target: a rename
+        # within one file system is atomic, so a reader never sees half a video.
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=target.suffix)
+        try:
+            with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
+                shutil.copyfileobj(src, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=target.suffix)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def open(self, key: str) -> IO[bytes]:
+        return open(self._path(key), "rb")
+
+    def url(self, key: str) -> str | None:
+        return None
+
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+class S3Store:
+    """Objects under ``s3://bucket/prefix/``. An S3 PUT is atomic by itself."""
+
+    def __init__(
+        self, bucket: str, prefix: str = "", *, client: Any = None, url_expires_seconds: int = 3600,
+        **client_kwargs: Any,
+    ) -> None:
+        if client is None:
+            try:
+                import boto3
+            except ImportError as exc:  # pragma: no cover - depends on the install
+                raise RuntimeError(
+                    "S3 output storage needs boto3: pip install 'kiln[s3]'"
+                ) from exc
+            client = boto3.client("s3", **client_kwargs)
+        self.client = client
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url_expires_seconds = url_expires_seconds
+
+    def _name(self, key: str) -> str:
+        key = _checked(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, path: Path) -> None:
+        self.client.upload_file(str(path), self.bucket, self._name(key))
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._name(key), Body=data)
+
+    def open(self, key: str) -> IO[bytes]:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._name(key))["Body"]
+        except self.client.exceptions.NoSuchKey as exc:
+            raise FileNotFoundError(key) from exc
+
+    def url(self, key: str) -> str | None:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._name(key)},
+            ExpiresIn=self.url_expires_seconds,
+        )
+
+    def local_path(self, key: str) -> Path | None:
+        return None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._name(key))
+        except Exception:  # botocore's ClientError for 404; any failure reads as absent
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._name(key))
+
+
+def make_store(settings: Settings) -> OutputStore:
+    """The store the settings name: S3 for ``storage_url=s3://...``, else ``output_dir``."""
+    if settings.storage_url is None:
+        return LocalStore(settings.output_dir)
+    parts = urlsplit(settings.storage_url)
+    kwargs = {
+        k: v for k, v in {
+            "endpoint_url": settings.s3_endpoint_url,
+            "region_name": settings.s3_region,
+            "aws_access_key_id": settings.s3_access_key_id,
+            "aws_secret_access_key": settings.s3_secret_access_key,
+        }.items() if v is not None
+    }
+    return S3Store(parts.netloc, parts.path, url_expires_seconds=settings.url_expires_seconds,
+                   **kwargs)

@@ -1,0 +1,105 @@
+"""The Redis ready index: which queued jobs a batcher may look at, in priority order.
+
+The database is the truth; this index only saves the batcher from scanning it. Losing it loses
+nothing: `rebuild_ready_index` puts back every queued job. A stale entry (a job no longer queued)
+is harmless because `storage.jobs.claim_job` refuses it; the claimer just removes it.
+
+Layout (``P`` is ``Settings.redis_prefix``, ``kiln:`` by default): one sorted set per class and
+priority, ``P + "ready:{class}:{priority}"``, e.g. ``kiln:ready:interactive:9``. Members are job
+ids; the score is the Unix time from which the job may run (its ``not_before``, else its creation
+time), so ``ZRANGEBYSCORE key -inf <now>`` yields the due jobs oldest first. `ready_keys` lists
+the 20 keys in the order they should be served: interactive 9..0, then batch 9..0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from redis import Redis
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from storage.jobs import MAX_PRIORITY, MIN_PRIORITY
+from storage.models import Job, JobClass, JobState
+
+_CHUNK = 1000
+
+
+def ready_key(prefix: str, job_class: str, priority: int) -> str:
+    return f"{prefix}ready:{job_class}:{priority}"
+
+
+def ready_keys(prefix: str) -> list[str]:
+    """Every ready key, in the order a batcher should serve them."""
+    return [
+        ready_key(prefix, cls.value, p)
+        for cls in (JobClass.INTERACTIVE, JobClass.BATCH)
+        for p in range(MAX_PRIORITY, MIN_PRIORITY - 1, -1)
+    ]
+
+
+def score(job: Job) -> float:
+    due = job.not_before if job.not_before is not None else job.created_at
+    return max(due, job.created_at).timestamp()
+
+
+def add(redis: Redis, prefix: str, jobs: Iterable[Job]) -> None:
+    """Adds queued jobs (call only after the transaction that queued them has committed)."""
+    pipe = redis.pipeline(transaction=False)
+    num = 0
+    for job in jobs:
+        pipe.zadd(ready_key(prefix, job.class_, job.priority), {job.id: score(job)})
+        num += 1
+    if num:
+        pipe.execute()
+
+
+def remove(redis: Redis, prefix: str, job: Job) -> None:
+    redis.zrem(ready_key(prefix, job.class_, job.priority), job.id)
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuilt:
+    added: int  # queued jobs written (already-present ones count too: ZADD is idempotent)
+    removed: int  # entries whose job is no longer queued
+
+
+def rebuild_ready_index(session: Session, redis: Redis, prefix: str) -> Rebuilt:
+    """Makes the index hold every queued job, and drops entries for jobs that are not queued.
+
+    Safe to run while the API submits and batchers claim: it only adds jobs the database says are
+    queued, and removes an entry only after re-reading that job's state.
+    """
+    queued: set[str] = set()
+    added = 0
+    stmt = (
+        select(Job.id, Job.class_, Job.priority, Job.created_at, Job.not_before)
+        .where(Job.state == JobState.QUEUED)
+        .execution_options(yield_per=_CHUNK)
+    )
+    pipe = redis.pipeline(transaction=False)
+    for job_id, job_class, priority, created_at, not_before in session.execute(stmt):
+        due = max(not_before or created_at, created_at)
+        pipe.zadd(ready_key(prefix, job_class, priority), {job_id: due.timestamp()})
+        queued.add(job_id)
+        added += 1
+        if added % _CHUNK == 0:
+            pipe.execute()
+    pipe.execute()
+
+    removed = 0
+    for key in ready_keys(prefix):
+        members = [m.decode() if isinstance(m, bytes) else m for m in redis.zrange(key, 0, -1)]
+        suspects = [m for m in members if m not in queued]
+        for start in range(0, len(suspects), _CHUNK):
+            chunk = suspects[start : start + _CHUNK]
+            # Re-read: a job submitted after the scan above is queued and must stay.
+            still = set(session.scalars(
+                select(Job.id).where(Job.id.in_(chunk), Job.state == JobState.QUEUED)
+            ))
+            gone = [m for m in chunk if m not in still]
+            if gone:
+                removed += int(redis.zrem(key, *gone))
+    session.rollback()  # end the read transaction; nothing was written
+    return Rebuilt(added=added, removed=removed)

@@ -1,0 +1,55 @@
+"""Aggregate queries for /metrics: computed from the database at scrape time, so every API
+replica reports the same numbers whichever process did the work."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session
+
+from storage.models import Job, JobState, utcnow
+
+RENDER_SECONDS_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+
+def jobs_by_state(session: Session) -> dict[str, int]:
+    rows = session.execute(select(Job.state, func.count()).group_by(Job.state))
+    return {state: int(n) for state, n in rows.tuples()}
+
+
+def queue_depth(session: Session) -> dict[tuple[str, int], int]:
+    """Queued jobs per (class, priority)."""
+    rows = session.execute(
+        select(Job.class_, Job.priority, func.count())
+        .where(Job.state == JobState.QUEUED)
+        .group_by(Job.class_, Job.priority)
+    )
+    return {(c, int(p)): int(n) for c, p, n in rows.tuples()}
+
+
+def render_seconds_histogram(session: Session) -> tuple[list[int], int, float]:
+    """Cumulative bucket counts (one per `RENDER_SECONDS_BUCKETS` bound), total count and sum
+    over every succeeded job -- one aggregate query."""
+    done = Job.render_seconds.is_not(None)
+    columns = [
+        func.sum(case((Job.render_seconds <= bound, 1), else_=0))
+        for bound in RENDER_SECONDS_BUCKETS
+    ]
+    row = session.execute(
+        select(*columns, func.count(), func.coalesce(func.sum(Job.render_seconds), 0.0))
+        .where(Job.state == JobState.SUCCEEDED, done)
+    ).one()
+    buckets = [int(v or 0) for v in row[:-2]]
+    return buckets, int(row[-2] or 0), float(row[-1] or 0.0)
+
+
+def videos_finished_since(session: Session, since: datetime) -> int:
+    return int(session.scalar(
+        select(func.count()).select_from(Job)
+        .where(Job.state == JobState.SUCCEEDED, Job.finished_at >= since)
+    ) or 0)
+
+
+def videos_last_hour(session: Session, now: datetime | None = None) -> int:
+    return videos_finished_since(session, (now or utcnow()) - timedelta(hours=1))

@@ -1,0 +1,126 @@
+"""Shared database and Redis fixtures.
+
+`db` is parametrized over SQLite (a temporary file) and the real PostgreSQL server; each backend
+gets a fresh database created ONLY through the Alembic migrations, once per test run, and every
+test leaves it empty. PostgreSQL uses a uniquely named database, dropped at the end, so concurrent
+runs do not collide. `redis_prefix` gives each test its own Redis key prefix and deletes those
+keys afterwards.
+
+Servers: ``KILN_TEST_POSTGRES_URL`` (default postgresql+psycopg://postgres@127.0.0.1:5432/test)
+and ``KILN_TEST_REDIS_URL`` (default redis://127.0.0.1:6379/0). When one is unreachable its tests
+are skipped, except under CI (``CI`` set), where that is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
+import migrations
+from storage.db import make_engine, make_session_factory
+from storage.models import Base
+
+POSTGRES_URL = os.environ.get(
+    "KILN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _unavailable(what: str, exc: Exception) -> None:
+    message = f"{what} is not reachable: {exc}"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@dataclass(frozen=True, slots=True)
+class Database:
+    backend: str  # "sqlite" | "postgresql"
+    url: str
+    engine: Engine
+
+    def session(self) -> Session:
+        return make_session_factory(self.engine)()
+
+
+@pytest.fixture(scope="session")
+def _sqlite_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Database]:
+    path: Path = tmp_path_factory.mktemp("db") / "kiln.db"
+    url = f"sqlite:///{path}"
+    migrations.upgrade(url)
+    engine = make_engine(url)
+    yield Database("sqlite", url, engine)
+    engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def _postgresql_db() -> Iterator[Database]:
+    name = f"kiln_test_{os.getpid()}_{secrets.token_hex(4)}"
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except OperationalError as exc:
+        admin.dispose()
+        _unavailable("PostgreSQL", exc)
+    url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    try:
+        migrations.upgrade(url)
+        engine = make_engine(url, pool_size=5, max_overflow=5)
+        yield Database("postgresql", url, engine)
+        engine.dispose()
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest) -> Iterator[Database]:
+    """A migrated database on each backend, emptied after the test."""
+    database: Database = request.getfixturevalue(f"_{request.param}_db")
+    yield database
+    tables = [t.name for t in reversed(Base.metadata.sorted_tables)]
+    with database.engine.begin() as conn:
+        if database.backend == "postgresql":
+            conn.execute(text(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE"))
+        else:
+            for table in tables:
+                conn.execute(text(f"DELETE FROM {table}"))
+
+
+@pytest.fixture
+def session(db: Database) -> Iterator[Session]:
+    with db.session() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        _unavailable("Redis", exc)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_prefix(redis_client: redis.Redis) -> Iterator[str]:
+    """A key prefix no other test (or run) uses; its keys are deleted after the test."""
+    prefix = f"kilntest:{secrets.token_hex(6)}:"
+    yield prefix
+    keys = list(redis_client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        redis_client.delete(*keys)
