@@ -1,0 +1,112 @@
+"""``kiln render`` (one video, or one per rank, without the service) and ``kiln make-checkpoint``.
+
+Heavy imports (torch, diffusers) happen inside the commands so ``kiln --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kiln.cli import app
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """``"WxH"`` -> (width, height)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", size)
+    if not m:
+        raise typer.BadParameter(f"expected WIDTHxHEIGHT such as 64x64, got {size!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+@app.command()
+def render(
+    prompt: Annotated[list[str], typer.Option(help="Prompt; repeat it for one video per rank.")],
+    out: Annotated[Path, typer.Option(help="Output MP4; prompt i > 0 writes OUT-i.mp4.")],
+    model: Annotated[str, typer.Option(help="'kiln-tiny' or a diffusers model directory.")] = (
+        "kiln-tiny"),
+    size: Annotated[str, typer.Option(help="WIDTHxHEIGHT in pixels.")] = "64x64",
+    frames: Annotated[int, typer.Option(help="Number of frames.")] = 9,
+    steps: Annotated[int, typer.Option(help="Denoising steps.")] = 4,
+    seed: Annotated[int, typer.Option(help="Noise seed (prompt i uses SEED + i).")] = 0,
+    guidance: Annotated[float, typer.Option(help="Classifier-free guidance scale.")] = 5.0,
+    negative_prompt: Annotated[str, typer.Option(help="Negative prompt.")] = "",
+    fps: Annotated[int, typer.Option(help="Frames per second of the MP4.")] = 16,
+    dp: Annotated[int, typer.Option(help="CPU ranks sharing the weights over gloo.")] = 1,
+    rank_local: Annotated[bool, typer.Option(
+        help="Each rank streams whole blocks instead of sharding them.")] = False,
+) -> None:
+    """Render videos with DLO, without the service, and write MP4 + PNG thumbnail."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from runtime.pipelines.base import VideoRequest
+    from runtime.render import RenderError, output_path
+    from runtime.render import render as run_render
+
+    console = Console(stderr=True)
+    width, height = parse_size(size)
+    try:
+        requests = [VideoRequest(prompt=p, negative_prompt=negative_prompt, width=width,
+                                 height=height, num_frames=frames, num_steps=steps, seed=seed + i,
+                                 guidance_scale=guidance) for i, p in enumerate(prompt)]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        task = progress.add_task(f"loading {model} on {dp} rank(s)", total=steps)
+
+        def on_step(i: int, n: int) -> None:
+            progress.update(task, completed=i, total=n, description="denoising")
+
+        try:
+            reports = run_render(model, requests, out, dp=dp, fps=fps,
+                                 use_allgather=not rank_local, on_step=on_step)
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from exc
+        except RenderError as exc:
+            console.print(f"[red]render failed:[/red] {exc}")
+            raise typer.Exit(1) from exc
+        progress.update(task, description="done")
+    for r in reports:
+        if r.out is not None:
+            typer.echo(f"{r.out} ({r.num_frames} frames, thumbnail {r.thumbnail}, rank {r.rank}, "
+                       f"{r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB)")
+    missing = [str(output_path(out, i)) for i in range(len(requests))
+               if not any(r.out == str(output_path(out, i)) for r in reports)]
+    if missing:
+        console.print(f"[red]error:[/red] no output for {missing}")
+        raise typer.Exit(1)
+
+
+@app.command("make-checkpoint")
+def make_checkpoint(
+    out: Annotated[Path, typer.Option(help="Directory to write (diffusers format).")],
+    family: Annotated[str, typer.Option(help="Model family: wan or cogvideox.")] = "wan",
+    layers: Annotated[int, typer.Option(help="Transformer blocks.")] = 2,
+    width: Annotated[int, typer.Option(help="Transformer hidden size.")] = 64,
+    head_dim: Annotated[int, typer.Option(help="Attention head size.")] = 128,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Write a random-weight diffusers model directory of any size (for benchmarks)."""
+    import torch
+
+    from runtime.models.synthetic import SyntheticSpec, checkpoint_bytes
+    from runtime.models.synthetic import make_checkpoint as write_checkpoint
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise typer.BadParameter(f"dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    try:
+        spec = SyntheticSpec(family=family, num_layers=layers, width=width, head_dim=head_dim,
+                             dtype=dtypes[dtype], seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    path = write_checkpoint(out, spec)
+    typer.echo(f"{path}: {family}, {layers} layers, width {width}, transformer "
+               f"{checkpoint_bytes(path) / 1e9:.2f} GB")

@@ -1,0 +1,269 @@
+"""kiln-tiny: a small Wan-like video DiT in pure torch, for demos and tests; nothing to download.
+
+Four parts, all built from one :class:`TinyConfig` with a fixed seed, so every process that builds
+it gets the same weights:
+- :class:`TinyTokenizer`: lower-cased words hashed into the vocabulary (deterministic, no files);
+- :class:`TinyTextEncoder`: token + position embeddings, a few pre-norm self-attention layers;
+- :class:`TinyTransformer`: patch-embedded latent video, sinusoidal 3-D positions, a timestep
+  embedding driving AdaLN-style shift/scale/gate modulation, self-attention, cross-attention to
+  the text, an MLP; the blocks sit in ``nn.ModuleList`` ``blocks`` so DLO finds them;
+- :class:`TinyDecoder`: latents to RGB frames, one latent frame at a time (so decode tiles over
+  frames), each latent frame unfolding into ``temporal_compression`` frames, the first into one
+  frame (a causal layout like Wan's VAE: 9 frames <-> 3 latent frames).
+
+Shapes: B batch, F latent frames, H/W latent height/width, C latent channels, L video tokens,
+T text tokens, D width, E text width.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PAD_ID = 0
+BOS_ID = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class TinyConfig:
+    latent_channels: int = 8
+    patch_size: int = 2
+    spatial_compression: int = 8  # pixels per latent pixel
+    temporal_compression: int = 4  # frames per latent frame (after the first)
+    dim: int = 128
+    num_heads: int = 4
+    num_layers: int = 4
+    ffn_dim: int = 384
+    freq_dim: int = 64  # sinusoidal timestep features
+    text_dim: int = 64
+    text_heads: int = 2
+    text_layers: int = 2
+    vocab_size: int = 4096
+    text_len: int = 32  # tokens per prompt, BOS included
+    decoder_channels: int = 32
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads or self.text_dim % self.text_heads:
+            raise ValueError("dim and text_dim must be divisible by their head counts")
+        if self.dim % 2:
+            raise ValueError(f"dim must be even (sinusoidal positions), got {self.dim}")
+        if 2 ** round(math.log2(self.spatial_compression)) != self.spatial_compression:
+            raise ValueError("spatial_compression must be a power of two")
+
+    def num_latent_frames(self, num_frames: int) -> int:
+        return (num_frames - 1) // self.temporal_compression + 1
+
+    def check_video_size(self, width: int, height: int, num_frames: int) -> None:
+        multiple = self.spatial_compression * self.patch_size
+        if width <= 0 or height <= 0 or width % multiple or height % multiple:
+            raise ValueError(f"kiln-tiny renders sizes that are positive multiples of {multiple}, "
+                             f"got {width}x{height}")
+        if num_frames < 1 or (num_frames - 1) % self.temporal_compression:
+            raise ValueError(f"kiln-tiny renders 1 + {self.temporal_compression}k frames "
+                             f"(1, 5, 9, ...), got {num_frames}")
+
+
+class TinyTokenizer:
+    """Words to ids by a stable hash: the same prompt gives the same ids in every process."""
+
+    def __init__(self, vocab_size: int, max_length: int) -> None:
+        self.vocab_size = vocab_size
+        self.max_length = max_length
+
+    def word_id(self, word: str) -> int:
+        return 2 + zlib.crc32(word.encode()) % (self.vocab_size - 2)
+
+    def __call__(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids_BT, mask_BT): BOS, the words, then padding; longer prompts are truncated."""
+        ids = torch.full((len(prompts), self.max_length), PAD_ID, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            words = re.findall(r"[a-z0-9]+", prompt.lower())[: self.max_length - 1]
+            ids[i, : len(words) + 1] = torch.tensor([BOS_ID] + [self.word_id(w) for w in words])
+        return ids, ids != PAD_ID
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Multi-head attention on [B, N, D] inputs."""
+    b, n, d = q.shape
+    split = lambda t: t.unflatten(-1, (num_heads, d // num_heads)).transpose(1, 2)  # noqa: E731
+    out = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)
+    return out.transpose(1, 2).reshape(b, n, d)
+
+
+class TinyTextLayer(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * dim, dim))
+
+    def forward(self, x_BTE: torch.Tensor, mask_B11T: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(x_BTE)).chunk(3, dim=-1)
+        x_BTE = x_BTE + self.proj(_attention(q, k, v, self.num_heads, mask_B11T))
+        return x_BTE + self.mlp(self.norm2(x_BTE))
+
+
+class TinyTextEncoder(nn.Module):
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.text_dim)
+        self.position_embedding = nn.Parameter(torch.randn(cfg.text_len, cfg.text_dim) * 0.02)
+        self.layers = nn.ModuleList(TinyTextLayer(cfg.text_dim, cfg.text_heads)
+                                    for _ in range(cfg.text_layers))
+        self.norm = nn.LayerNorm(cfg.text_dim)
+
+    def forward(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+        """Text features [B, T, E]; padding positions are zero (Wan's convention), so the
+        cross-attention needs no mask and an empty prompt is a well-defined context."""
+        x_BTE = self.token_embedding(ids_BT) + self.position_embedding[: ids_BT.shape[1]]
+        keep_B11T = mask_BT[:, None, None, :]  # BOS is always there: no row is fully masked
+        for layer in self.layers:
+            x_BTE = layer(x_BTE, keep_B11T)
+        return self.norm(x_BTE) * mask_BT[..., None].to(x_BTE.dtype)
+
+
+def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """[N] float positions -> [N, dim] (cos | sin) features."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
+    angles = positions.to(torch.float64)[:, None] * freqs[None]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
+
+
+def positions_3d(f: int, h: int, w: int, dim: int) -> torch.Tensor:
+    """[F*H*W, dim] sinusoidal features, about a third of the width per axis (frames, rows,
+    columns; every part even so it splits into cos and sin)."""
+    grid = torch.stack(torch.meshgrid(torch.arange(f), torch.arange(h), torch.arange(w),
+                                      indexing="ij"), dim=-1).reshape(-1, 3)
+    k = 2 * (dim // 6)
+    return torch.cat([sinusoid(grid[:, i], n) for i, n in enumerate((dim - 2 * k, k, k))], dim=-1)
+
+
+class TinyBlock(nn.Module):
+    """Self-attention, cross-attention to text, MLP; AdaLN shift/scale/gate from the timestep."""
+
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        d = cfg.dim
+        self.num_heads = cfg.num_heads
+        # Per-block offsets added to the shared timestep modulation (as in Wan).
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.attn_out = nn.Linear(d, d)
+        self.norm2 = nn.LayerNorm(d, eps=1e-6)
+        self.cross_q = nn.Linear(d, d)
+        self.cross_kv = nn.Linear(cfg.text_dim, 2 * d)
+        self.cross_out = nn.Linear(d, d)
+        self.norm3 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"),
+                                 nn.Linear(cfg.ffn_dim, d))
+
+    def forward(self, x_BLD: torch.Tensor, text_BTE: torch.Tensor,
+                mod_B6D: torch.Tensor) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = (
+            (self.scale_shift_table + mod_B6D).unsqueeze(2).unbind(1)
+        )
+        h = self.norm1(x_BLD) * (1 + scale1) + shift1
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        x_BLD = x_BLD + gate1 * self.attn_out(_attention(q, k, v, self.num_heads))
+        k, v = self.cross_kv(text_BTE).chunk(2, dim=-1)
+        x_BLD = x_BLD + self.cross_out(_attention(self.cross_q(self.norm2(x_BLD)), k, v,
+                                                  self.num_heads))
+        h = self.norm3(x_BLD) * (1 + scale2) + shift2
+        return x_BLD + gate2 * self.ffn(h)
+
+
+class TinyTransformer(nn.Module):
+    """Predicts the flow-matching velocity of latent video ``x`` at noise level ``timestep``."""
+
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, p, c = cfg.dim, cfg.patch_size, cfg.latent_channels
+        self.patch_embed = nn.Linear(c * p * p, d)
+        self.time_embed = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
+        self.time_proj = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
+        self.blocks = nn.ModuleList(TinyBlock(cfg) for _ in range(cfg.num_layers))
+        self.head_table = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
+        self.norm_out = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.proj_out = nn.Linear(d, c * p * p)
+
+    def forward(self, x_BCFHW: torch.Tensor, timestep_B: torch.Tensor,
+                text_BTE: torch.Tensor) -> torch.Tensor:
+        b, c, f, h, w = x_BCFHW.shape
+        p, d = self.cfg.patch_size, self.cfg.dim
+        hp, wp = h // p, w // p
+        # [B, C, F, H, W] -> [B, F*hp*wp, C*p*p]: one token per p x p patch of a latent frame.
+        tokens = x_BCFHW.reshape(b, c, f, hp, p, wp, p).permute(0, 2, 3, 5, 1, 4, 6)
+        x_BLD = self.patch_embed(tokens.reshape(b, f * hp * wp, c * p * p))
+        x_BLD = x_BLD + positions_3d(f, hp, wp, d).to(x_BLD.dtype)
+        temb_BD = self.time_embed(sinusoid(timestep_B, self.cfg.freq_dim).to(x_BLD.dtype))
+        mod_B6D = self.time_proj(temb_BD).unflatten(1, (6, d))
+        for block in self.blocks:
+            x_BLD = block(x_BLD, text_BTE, mod_B6D)
+        shift, scale = (self.head_table + temb_BD[:, None]).unsqueeze(2).unbind(1)
+        out = self.proj_out(self.norm_out(x_BLD) * (1 + scale) + shift)
+        out = out.reshape(b, f, hp, wp, c, p, p).permute(0, 4, 1, 2, 5, 3, 6)
+        return out.reshape(b, c, f, h, w)
+
+
+class TinyDecoder(nn.Module):
+    """One latent frame [C, H, W] -> ``temporal_compression`` RGB frames in [-1, 1]."""
+
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        ch = cfg.decoder_channels
+        self.cfg = cfg
+        self.conv_in = nn.Conv2d(cfg.latent_channels, ch, 3, padding=1)
+        self.ups = nn.ModuleList(nn.Conv2d(ch, ch, 3, padding=1)
+                                 for _ in range(int(math.log2(cfg.spatial_compression))))
+        self.conv_out = nn.Conv2d(ch, 3 * cfg.temporal_compression, 3, padding=1)
+
+    def bytes_per_item(self, height: int, width: int) -> int:
+        """Transient bytes to decode one latent frame to ``height`` x ``width`` pixels: the
+        largest activation (input and output of the last upsampling conv, its upsampled input)
+        dominates, plus the output frames."""
+        full = self.cfg.decoder_channels * height * width * 4
+        return 3 * full + 3 * self.cfg.temporal_compression * height * width * 4
+
+    def forward(self, z_NCHW: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] latent frames -> [N, temporal_compression, 3, H*s, W*s]."""
+        x = F.silu(self.conv_in(z_NCHW))
+        for conv in self.ups:
+            x = F.silu(conv(F.interpolate(x, scale_factor=2.0, mode="nearest")))
+        x = torch.tanh(self.conv_out(x))
+        return x.unflatten(1, (self.cfg.temporal_compression, 3))
+
+
+class KilnTiny(nn.Module):
+    """The whole kiln-tiny model; its weights are one small state dict."""
+
+    def __init__(self, cfg: TinyConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg or TinyConfig()
+        self.tokenizer = TinyTokenizer(self.cfg.vocab_size, self.cfg.text_len)
+        self.text_encoder = TinyTextEncoder(self.cfg)
+        self.transformer = TinyTransformer(self.cfg)
+        self.decoder = TinyDecoder(self.cfg)
+
+
+def build_tiny(cfg: TinyConfig | None = None) -> KilnTiny:
+    """kiln-tiny with its deterministic random initialisation (same weights in every process)."""
+    cfg = cfg or TinyConfig()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.init_seed)
+        model = KilnTiny(cfg)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,280 @@
+"""Real video DiTs from a local diffusers model directory, with their transformers under DLO.
+
+Loading is one path for every family: each transformer (``transformer``, and ``transformer_2``
+for Wan2.2's two experts) is built on the meta device from its config and handed to
+:func:`runtime.dlo.apply_dlo` with its own directory as the checkpoint, so block weights are
+streamed from the memory-mapped safetensors and never copied whole into any rank. diffusers'
+pipeline class (named in ``model_index.json``) then loads the tokenizer, text encoder, VAE and
+scheduler around those transformers. The offload mechanism knows nothing about the family.
+
+What differs per family is the denoising loop, and only that is written here, following each
+reference pipeline operation for operation so the output matches it bit for bit (CPU, fp32):
+``WanPipeline`` (Wan2.1, Wan2.2 with two experts) and ``CogVideoXPipeline``. The loop is driven
+step by step (see ``runtime.pipelines.base``); each job keeps its own copy of the scheduler,
+whose multistep state belongs to that job.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from runtime.dlo import DLOHandle, apply_dlo
+from runtime.models.loading import build_on_meta
+from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
+from runtime.tiling import map_tiles, plan_tiles
+
+TRANSFORMER_NAMES = ("transformer", "transformer_2")
+
+
+class DiffusersVideoPipeline(VideoPipeline):
+    """Shared loading and request-tiled decode; subclasses hold one family's loop."""
+
+    #: diffusers pipeline class names this subclass drives.
+    pipeline_classes: ClassVar[tuple[str, ...]] = ()
+    #: The reference pipeline's default text length.
+    max_sequence_length: ClassVar[int] = 512
+
+    def __init__(self, pipe: Any, handles: Sequence[DLOHandle | None], *,
+                 device: torch.device) -> None:
+        super().__init__(handles)
+        self.pipe = pipe
+        self.device = device
+        self.transformers = [getattr(pipe, n) for n in TRANSFORMER_NAMES
+                             if getattr(pipe, n, None) is not None]
+        self.decode_free_bytes: int | None = None  # None: measure free memory at decode time
+        self.last_decode_plan: Any = None
+
+    @staticmethod
+    def load(model_dir: str | Path, *, group: Any = None, device: Any = None,
+             use_allgather: bool = True) -> DiffusersVideoPipeline:
+        import diffusers
+
+        model_dir = Path(model_dir)
+        index = json.loads((model_dir / "model_index.json").read_text())
+        name = index.get("_class_name", "")
+        family = next((c for c in _FAMILIES if name in c.pipeline_classes), None)
+        if family is None:
+            supported = sorted(n for c in _FAMILIES for n in c.pipeline_classes)
+            raise ValueError(f"{model_dir}: pipeline {name!r} is not supported; kiln drives "
+                             f"{', '.join(supported)}")
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        transformers: dict[str, Any] = {}
+        handles: list[DLOHandle | None] = []
+        for tname in TRANSFORMER_NAMES:
+            spec = index.get(tname)
+            if not spec or spec[0] is None or not (model_dir / tname).is_dir():
+                continue
+            model = build_on_meta(model_dir / tname)
+            # dtype before DLO swaps the block parameters for placeholders.
+            model._kiln_dtype = next(model.parameters()).dtype
+            handles.append(apply_dlo(model, checkpoint=model_dir / tname, group=group,
+                                     use_allgather=use_allgather, device=dev))
+            transformers[tname] = model
+        if not transformers:
+            raise ValueError(f"{model_dir}: no transformer directory")
+        pipe = getattr(diffusers, name).from_pretrained(model_dir, **transformers)
+        pipe.set_progress_bar_config(disable=True)
+        for comp in ("text_encoder", "vae"):
+            getattr(pipe, comp).to(dev)
+        return family(pipe, handles, device=dev)
+
+    # ---- the shared decode ------------------------------------------------------------
+
+    def _decode_batch(self, latents: torch.Tensor) -> torch.Tensor:
+        """[b, ...] final latents -> [b, N, H, W, 3] float frames in [0, 1]."""
+        raise NotImplementedError
+
+    def _vae_bytes_per_request(self, r: VideoRequest) -> int:
+        """Decode transients of one request: the widest full-resolution activation of the
+        decoder for a causal chunk of frames, a few times over (input, output, norm temp), plus
+        the decoded clip itself."""
+        vae_cfg = self.pipe.vae.config
+        width = vae_cfg.get("base_dim") or vae_cfg.get("block_out_channels", [128])[-1]
+        chunk = 4 * r.height * r.width * 4 * width * 4
+        return chunk + 2 * r.num_frames * r.height * r.width * 3 * 4
+
+    @torch.no_grad()
+    def decode(self, state: DenoiseState) -> torch.Tensor:
+        r = state.request
+        latents = self._final_latents(state)
+        plan = plan_tiles(latents.shape[0], self._vae_bytes_per_request(r),
+                          free_bytes=self.decode_free_bytes, device=self.device)
+        self.last_decode_plan = plan
+        out = torch.empty((latents.shape[0], r.num_frames, r.height, r.width, 3))
+        map_tiles(self._decode_batch, latents, out, plan)
+        return out[0]
+
+    def _final_latents(self, state: DenoiseState) -> torch.Tensor:
+        return state.latents
+
+    def _generator(self, seed: int) -> torch.Generator:
+        # A CPU generator, as the reference pipelines take: the same seed gives the same noise
+        # whatever device renders.
+        return torch.Generator("cpu").manual_seed(seed)
+
+
+def _check_frames(r: VideoRequest, temporal: int, multiple: int) -> None:
+    if (r.num_frames - 1) % temporal:
+        raise ValueError(f"this model renders 1 + {temporal}k frames, got {r.num_frames}")
+    if r.height % multiple or r.width % multiple:
+        raise ValueError(f"this model renders sizes that are multiples of {multiple}, got "
+                         f"{r.width}x{r.height}")
+
+
+class WanVideoPipeline(DiffusersVideoPipeline):
+    """Wan2.1 / Wan2.2 T2V: CFG as two batch-1 forwards (conditional, then unconditional)."""
+
+    pipeline_classes = ("WanPipeline",)
+    forwards_per_step = 2
+    max_sequence_length = 512
+
+    @torch.no_grad()
+    def prepare(self, request: VideoRequest) -> DenoiseState:
+        p, r = self.pipe, request
+        patch = p.transformer.config.patch_size
+        _check_frames(r, p.vae_scale_factor_temporal,
+                      max(16, p.vae_scale_factor_spatial * max(patch[1], patch[2])))
+        cfg = r.guidance_scale > 1.0
+        cond, uncond = p.encode_prompt(prompt=r.prompt, negative_prompt=r.negative_prompt,
+                                       do_classifier_free_guidance=cfg, num_videos_per_prompt=1,
+                                       max_sequence_length=self.max_sequence_length,
+                                       device=self.device)
+        dtype = self.transformers[0]._kiln_dtype
+        scheduler = copy.deepcopy(p.scheduler)
+        scheduler.set_timesteps(r.num_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        latents = p.prepare_latents(1, p.transformer.config.in_channels, r.height, r.width,
+                                    r.num_frames, torch.float32, self.device,
+                                    self._generator(r.seed))
+        ratio = p.config.boundary_ratio
+        return DenoiseState(request=r, latents=latents, num_steps=r.num_steps, extra={
+            "cond": cond.to(dtype), "uncond": uncond.to(dtype) if cfg else None,
+            "scheduler": scheduler,
+            "boundary": None if ratio is None else ratio * scheduler.config.num_train_timesteps,
+        })
+
+    @torch.no_grad()
+    def _denoise(self, state: DenoiseState) -> Sequence[int]:
+        x, scheduler = state.extra, state.extra["scheduler"]
+        t = scheduler.timesteps[state.step_index]
+        # Wan2.2: the high-noise expert above the boundary, the low-noise one below.
+        expert = 0 if x["boundary"] is None or t >= x["boundary"] else 1
+        model = self.transformers[expert]
+        latents = state.latents
+        model_input = latents.to(model._kiln_dtype)
+        if self.pipe.config.expand_timesteps:
+            # Wan2.2 TI2V: one timestep per token (every token is noised the same here).
+            mask = torch.ones(latents.shape, dtype=torch.float32, device=latents.device)
+            timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(
+                latents.shape[0], -1)
+        else:
+            timestep = t.expand(latents.shape[0])
+        noise = model(hidden_states=model_input, timestep=timestep,
+                      encoder_hidden_states=x["cond"], return_dict=False)[0]
+        forwards = 1
+        if x["uncond"] is not None:
+            noise_uncond = model(hidden_states=model_input, timestep=timestep,
+                                 encoder_hidden_states=x["uncond"], return_dict=False)[0]
+            noise = noise_uncond + state.request.guidance_scale * (noise - noise_uncond)
+            forwards = 2
+        state.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+        used = [0] * len(self.handles)
+        used[expert] = forwards
+        return used
+
+    def _decode_batch(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        z = vae.config.z_dim
+        latents = latents.to(self.device, dtype=vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device,
+                                                                            latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(
+            latents.device, latents.dtype)
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        frames = self.pipe.video_processor.postprocess_video(video, output_type="np")
+        return torch.from_numpy(frames)
+
+
+class CogVideoXVideoPipeline(DiffusersVideoPipeline):
+    """CogVideoX T2V: CFG as one batch-2 forward ([unconditional, conditional]), as the
+    reference pipeline runs it."""
+
+    pipeline_classes = ("CogVideoXPipeline",)
+    forwards_per_step = 1
+    max_sequence_length = 226
+
+    @torch.no_grad()
+    def prepare(self, request: VideoRequest) -> DenoiseState:
+        from diffusers import CogVideoXDPMScheduler
+
+        p, r = self.pipe, request
+        config = p.transformer.config
+        _check_frames(r, p.vae_scale_factor_temporal,
+                      p.vae_scale_factor_spatial * config.patch_size)
+        cfg = r.guidance_scale > 1.0
+        cond, uncond = p.encode_prompt(r.prompt, r.negative_prompt, cfg, num_videos_per_prompt=1,
+                                       max_sequence_length=self.max_sequence_length,
+                                       device=self.device)
+        embeds = torch.cat([uncond, cond], dim=0) if cfg else cond
+        scheduler = copy.deepcopy(p.scheduler)
+        scheduler.set_timesteps(r.num_steps, device=self.device)
+        num_frames = r.num_frames
+        latent_frames = (num_frames - 1) // p.vae_scale_factor_temporal + 1
+        extra_frames = 0
+        if config.patch_size_t is not None and latent_frames % config.patch_size_t:
+            # CogVideoX 1.5 patches time too: pad the clip, drop the padding before decode.
+            extra_frames = config.patch_size_t - latent_frames % config.patch_size_t
+            num_frames += extra_frames * p.vae_scale_factor_temporal
+        generator = self._generator(r.seed)
+        latents = p.prepare_latents(1, config.in_channels, num_frames, r.height, r.width,
+                                    embeds.dtype, self.device, generator)
+        rotary = (p._prepare_rotary_positional_embeddings(r.height, r.width, latents.size(1),
+                                                          self.device)
+                  if config.use_rotary_positional_embeddings else None)
+        return DenoiseState(request=r, latents=latents, num_steps=r.num_steps, extra={
+            "embeds": embeds, "cfg": cfg, "scheduler": scheduler, "rotary": rotary,
+            "step_kwargs": p.prepare_extra_step_kwargs(generator, 0.0),
+            "dpm": isinstance(scheduler, CogVideoXDPMScheduler), "old_pred": None,
+            "extra_frames": extra_frames,
+        })
+
+    @torch.no_grad()
+    def _denoise(self, state: DenoiseState) -> Sequence[int]:
+        x, scheduler, i = state.extra, state.extra["scheduler"], state.step_index
+        timesteps = scheduler.timesteps
+        t = timesteps[i]
+        latents = state.latents
+        model_input = torch.cat([latents] * 2) if x["cfg"] else latents
+        model_input = scheduler.scale_model_input(model_input, t)
+        noise = self.pipe.transformer(hidden_states=model_input,
+                                      encoder_hidden_states=x["embeds"],
+                                      timestep=t.expand(model_input.shape[0]),
+                                      image_rotary_emb=x["rotary"], return_dict=False)[0].float()
+        if x["cfg"]:
+            noise_uncond, noise_text = noise.chunk(2)
+            noise = noise_uncond + state.request.guidance_scale * (noise_text - noise_uncond)
+        if x["dpm"]:
+            latents, x["old_pred"] = scheduler.step(
+                noise, x["old_pred"], t, timesteps[i - 1] if i > 0 else None, latents,
+                **x["step_kwargs"], return_dict=False)
+        else:
+            latents = scheduler.step(noise, t, latents, **x["step_kwargs"], return_dict=False)[0]
+        state.latents = latents.to(x["embeds"].dtype)
+        return [1]
+
+    def _final_latents(self, state: DenoiseState) -> torch.Tensor:
+        return state.latents[:, state.extra["extra_frames"]:]
+
+    def _decode_batch(self, latents: torch.Tensor) -> torch.Tensor:
+        video = self.pipe.decode_latents(latents)
+        frames = self.pipe.video_processor.postprocess_video(video=video, output_type="np")
+        return torch.from_numpy(frames)
+
+
+_FAMILIES: tuple[type[DiffusersVideoPipeline], ...] = (WanVideoPipeline, CogVideoXVideoPipeline)

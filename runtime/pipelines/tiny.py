@@ -1,0 +1,103 @@
+"""The kiln-tiny pipeline: flow-matching Euler sampling with classifier-free guidance, then decode.
+
+CFG runs as two batch-1 forwards (conditional, then unconditional), so ``forwards_per_step`` is 2;
+a request with ``guidance_scale <= 1`` runs one and idles the other (see ``base``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from runtime.dlo import DLOHandle, apply_dlo
+from runtime.models.tiny import KilnTiny, TinyConfig, build_tiny
+from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
+from runtime.tiling import map_tiles, plan_tiles
+
+
+def flow_sigmas(num_steps: int, shift: float) -> torch.Tensor:
+    """Noise levels from 1 to 0 (``num_steps + 1`` of them), shifted towards the noisy end."""
+    sigmas = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return (shift * sigmas / (1 + (shift - 1) * sigmas)).to(torch.float32)
+
+
+class TinyPipeline(VideoPipeline):
+    forwards_per_step = 2
+
+    def __init__(self, model: KilnTiny, handle: DLOHandle | None, *, flow_shift: float = 3.0,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__([handle])
+        self.model = model
+        self.cfg: TinyConfig = model.cfg
+        self.flow_shift = flow_shift
+        self.device = torch.device(device)
+        # What the decode tile plan used last (read by tests and the tiling benchmark).
+        self.last_decode_plan: Any = None
+        self.decode_free_bytes: int | None = None  # None: measure free memory at decode time
+
+    @classmethod
+    def load(cls, *, cfg: TinyConfig | None = None, group: Any = None, use_allgather: bool = True,
+             device: torch.device | str | None = None, offload: bool = True) -> TinyPipeline:
+        """kiln-tiny with its transformer blocks streamed by DLO (``offload=False``: resident)."""
+        model = build_tiny(cfg)
+        handle = None
+        if offload:
+            handle = apply_dlo(model.transformer, group=group, use_allgather=use_allgather,
+                               device=device)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        model.text_encoder.to(dev)
+        model.decoder.to(dev)
+        return cls(model, handle, device=dev)
+
+    @torch.no_grad()
+    def prepare(self, request: VideoRequest) -> DenoiseState:
+        cfg = self.cfg
+        cfg.check_video_size(request.width, request.height, request.num_frames)
+        ids, mask = self.model.tokenizer([request.prompt, request.negative_prompt])
+        text = self.model.text_encoder(ids.to(self.device), mask.to(self.device))
+        shape = (1, cfg.latent_channels, cfg.num_latent_frames(request.num_frames),
+                 request.height // cfg.spatial_compression,
+                 request.width // cfg.spatial_compression)
+        # Noise from a CPU generator, so the same seed gives the same video on every device.
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(request.seed))
+        return DenoiseState(
+            request=request,
+            latents=noise.to(self.device),
+            num_steps=request.num_steps,
+            extra={"cond": text[:1], "uncond": text[1:],
+                   "sigmas": flow_sigmas(request.num_steps, self.flow_shift)},
+        )
+
+    @torch.no_grad()
+    def _denoise(self, state: DenoiseState) -> Sequence[int]:
+        i = state.step_index
+        sigma, sigma_next = state.extra["sigmas"][i], state.extra["sigmas"][i + 1]
+        x = state.latents
+        t = torch.full((1,), float(sigma) * 1000.0, device=self.device)
+        velocity = self.model.transformer(x, t, state.extra["cond"])
+        forwards = 1
+        g = state.request.guidance_scale
+        if g > 1.0:
+            uncond = self.model.transformer(x, t, state.extra["uncond"])
+            velocity = uncond + g * (velocity - uncond)
+            forwards = 2
+        state.latents = x + (sigma_next - sigma) * velocity
+        return [forwards]
+
+    @torch.no_grad()
+    def decode(self, state: DenoiseState) -> torch.Tensor:
+        """[N, H, W, 3] frames in [0, 1]; latent frames decoded in tiles sized by free memory."""
+        r, cfg = state.request, self.cfg
+        z_FCHW = state.latents[0].transpose(0, 1)  # one item per latent frame
+        num_lat = z_FCHW.shape[0]
+        plan = plan_tiles(num_lat, self.model.decoder.bytes_per_item(r.height, r.width),
+                          free_bytes=self.decode_free_bytes, device=self.device)
+        self.last_decode_plan = plan
+        out = torch.empty((num_lat, cfg.temporal_compression, 3, r.height, r.width),
+                          device=self.device)
+        map_tiles(self.model.decoder, z_FCHW, out, plan)
+        # The first latent frame stands for one frame (causal layout): keep its last sub-frame.
+        frames = out.flatten(0, 1)[cfg.temporal_compression - 1:]
+        return (frames / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).contiguous()

@@ -1,0 +1,241 @@
+"""Render videos without the service: one process, or ``dp`` CPU ranks over gloo sharing weights.
+
+With ``dp > 1`` every rank loads the model with DLO (all-gather mode shards the block weights
+across the ranks), takes the request with its rank's index if there is one, and all ranks step in
+lock-step (``runtime.pipelines.base``): a rank without a request, or whose request has finished,
+calls ``idle_step`` until the longest request is done. Each rank with a request writes its own
+MP4 and thumbnail. Progress (rank 0's, or the first busy rank's) and per-rank memory figures come
+back to the parent over a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from runtime.pipelines.base import VideoPipeline, VideoRequest
+
+TINY_MODEL = "kiln-tiny"
+
+
+@dataclass(kw_only=True, slots=True)
+class RankReport:
+    rank: int
+    out: str | None  # the MP4 this rank wrote (None: it had no request)
+    thumbnail: str | None
+    num_frames: int
+    seconds: float  # load + render + write, this rank
+    peak_rss_bytes: int  # VmHWM: the most resident memory this rank held at once
+    pss_bytes: int  # proportional set size at the end: shared pages split among their users
+    private_bytes: int  # pages only this rank maps
+    dlo: dict[str, Any] = field(default_factory=dict)
+
+
+def load_pipeline(model: str, *, group: Any = None, device: Any = None,
+                  use_allgather: bool = True) -> VideoPipeline:
+    """``kiln-tiny`` or a local diffusers-format model directory, transformer under DLO."""
+    if model == TINY_MODEL:
+        from runtime.pipelines.tiny import TinyPipeline
+
+        return TinyPipeline.load(group=group, device=device, use_allgather=use_allgather)
+    path = Path(model)
+    if not (path / "model_index.json").is_file():
+        raise ValueError(f"--model must be {TINY_MODEL!r} or a diffusers model directory (with a "
+                         f"model_index.json); {model!r} is neither")
+    from runtime.pipelines.diffusers_video import DiffusersVideoPipeline
+
+    return DiffusersVideoPipeline.load(path, group=group, device=device,
+                                       use_allgather=use_allgather)
+
+
+def output_path(out: str | os.PathLike[str], index: int) -> Path:
+    """The first request writes ``out``; request i > 0 writes ``<stem>-<i><suffix>``."""
+    out = Path(out)
+    return out if index == 0 else out.with_name(f"{out.stem}-{index}{out.suffix}")
+
+
+def memory_figures() -> tuple[int, int, int]:
+    """(peak RSS, PSS, private bytes) of this process, from /proc where it exists."""
+    peak = pss = private = 0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key == "Pss":
+                pss = int(rest.split()[0]) * 1024
+            elif key in ("Private_Clean", "Private_Dirty"):
+                private += int(rest.split()[0]) * 1024
+    except OSError:  # not Linux: fall back to what psutil sees
+        rss = psutil.Process().memory_info().rss
+        peak = pss = private = rss
+    return peak, pss, private
+
+
+def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], out: str,
+                on_step: Callable[[int, int], None] | None = None, *, fps: int = 16,
+                started: float | None = None) -> RankReport:
+    """This rank's share of a lock-step render: its request (if any), idle steps otherwise."""
+    from storage.video import write_outputs
+
+    started = time.perf_counter() if started is None else started
+    request = requests[rank] if rank < len(requests) else None
+    num_steps = max(r.num_steps for r in requests)
+    state = pipe.prepare(request) if request is not None else None
+    for i in range(num_steps):
+        if state is not None and not state.done:
+            pipe.step(state)
+        else:
+            pipe.idle_step()
+        if on_step is not None:
+            on_step(i + 1, num_steps)
+    video = thumb = None
+    num_frames = 0
+    if state is not None:
+        frames = pipe.decode(state)
+        num_frames = int(frames.shape[0])
+        video, thumb = write_outputs(frames, output_path(out, rank), fps=fps)
+    peak, pss, private = memory_figures()
+    dlo = next((h.stats() for h in pipe.handles if h is not None), {})
+    return RankReport(rank=rank, out=str(video) if video else None,
+                      thumbnail=str(thumb) if thumb else None, num_frames=num_frames,
+                      seconds=time.perf_counter() - started, peak_rss_bytes=peak,
+                      pss_bytes=pss, private_bytes=private, dlo=dlo)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+                messages: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # The ranks share the machine's cores; without this each would start one thread per core.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            result = fn(rank, world, messages, *args)
+        finally:
+            dist.destroy_process_group()
+        messages.put(("done", rank, result))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        messages.put(("error", rank, traceback.format_exc()))
+
+
+class RenderError(RuntimeError):
+    pass
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
+              on_message: Callable[[str, int, tuple[Any, ...]], None] | None = None,
+              on_sample: Callable[[int], None] | None = None,
+              timeout_s: float = 3600.0) -> list[Any]:
+    """Run ``fn(rank, world, messages, *args)`` on ``world`` spawned CPU ranks over gloo.
+
+    ``fn`` must be importable by name; ``messages.put((kind, rank, *payload))`` reaches
+    ``on_message``; the ranks' return values come back in rank order. ``on_sample`` receives the
+    summed PSS of the rank processes about every 0.1 s (for memory benchmarks).
+    """
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    messages = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, fn, args, messages),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                raise RenderError(f"ranks timed out after {timeout_s:.0f} s")
+            try:
+                kind, rank, *payload = messages.get(timeout=0.1)
+            except queue.Empty:
+                if on_sample is not None:
+                    on_sample(_summed_pss(procs))
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RenderError(f"a rank exited with code {dead[0].exitcode}") from None
+                continue
+            if kind == "done":
+                results[rank] = payload[0]
+            elif kind == "error":
+                raise RenderError(f"rank {rank} failed:\n{payload[0]}")
+            elif on_message is not None:
+                on_message(kind, rank, tuple(payload))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def _render_on_rank(rank: int, world: int, messages: Any, model: str,
+                    requests: list[VideoRequest], out: str, fps: int,
+                    use_allgather: bool) -> RankReport:
+    started = time.perf_counter()
+    pipe = load_pipeline(model, use_allgather=use_allgather)
+    try:
+        step_cb = (lambda i, n: messages.put(("step", rank, i, n))) if rank == 0 else None
+        return render_rank(pipe, rank, requests, out, step_cb, fps=fps, started=started)
+    finally:
+        pipe.close()
+
+
+def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str], *,
+           dp: int = 1, fps: int = 16, use_allgather: bool = True,
+           on_step: Callable[[int, int], None] | None = None,
+           on_sample: Callable[[int], None] | None = None,
+           timeout_s: float = 3600.0) -> list[RankReport]:
+    """Render ``requests`` (at most ``dp``) on ``dp`` ranks; returns one report per rank."""
+    if not requests:
+        raise ValueError("no request to render")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    if len(requests) > dp:
+        raise ValueError(f"{len(requests)} prompts need dp >= {len(requests)} (one per rank), "
+                         f"got dp={dp}")
+    out = str(out)
+    if dp == 1:
+        pipe = load_pipeline(model, use_allgather=use_allgather)
+        try:
+            return [render_rank(pipe, 0, requests, out, on_step, fps=fps)]
+        finally:
+            pipe.close()
+
+    def on_message(kind: str, rank: int, payload: tuple[Any, ...]) -> None:
+        if kind == "step" and on_step is not None:
+            on_step(*payload)
+
+    return run_ranks(dp, _render_on_rank, model, requests, out, fps, use_allgather,
+                     on_message=on_message, on_sample=on_sample, timeout_s=timeout_s)
+
+
+def _summed_pss(procs: list[Any]) -> int:
+    total = 0
+    for p in procs:
+        try:
+            total += psutil.Process(p.pid).memory_full_info().pss
+        except (psutil.Error, AttributeError):
+            pass
+    return total

@@ -1,0 +1,100 @@
+"""Video outputs: H.264 MP4 through PyAV (no system ffmpeg) and a PNG thumbnail through Pillow.
+
+Both are written atomically: into a temporary file in the destination's directory, then
+``os.replace``d over the final name, so a reader never sees a half-written file and a crash leaves
+at most a hidden ``.*.tmp`` file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+from PIL import Image
+
+DEFAULT_FPS = 16  # Wan's frame rate
+
+
+def to_uint8(frames: object) -> np.ndarray:
+    """[N, H, W, 3] frames, float in [0, 1] (numpy or torch) or uint8, -> uint8 numpy."""
+    arr = frames.detach().cpu().numpy() if hasattr(frames, "detach") else np.asarray(frames)
+    if arr.ndim != 4 or arr.shape[-1] != 3:
+        raise ValueError(f"frames must be [N, H, W, 3], got shape {list(arr.shape)}")
+    if arr.dtype == np.uint8:
+        return arr
+    # Same rounding as diffusers' numpy_to_pil, so frames match its PIL output.
+    return (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+@contextlib.contextmanager
+def _atomic_path(path: Path) -> Iterator[Path]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_video(frames: object, path: str | os.PathLike[str], *, fps: int = DEFAULT_FPS,
+                crf: int = 18) -> Path:
+    """Encode [N, H, W, 3] frames as H.264 (yuv420p) in an MP4 at ``path``; returns the path."""
+    rgb = to_uint8(frames)
+    n, h, w, _ = rgb.shape
+    if n == 0:
+        raise ValueError("no frames to write")
+    if h % 2 or w % 2:
+        raise ValueError(f"H.264 (yuv420p) needs an even width and height, got {w}x{h}")
+    path = Path(path)
+    with _atomic_path(path) as tmp:
+        with av.open(str(tmp), mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=Fraction(fps))
+            stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+            stream.options = {"crf": str(crf)}
+            for frame in rgb:
+                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():  # flush the encoder's delayed frames
+                container.mux(packet)
+    return path
+
+
+def write_thumbnail(frame: object, path: str | os.PathLike[str]) -> Path:
+    """One [H, W, 3] frame as a PNG at ``path``."""
+    rgb = to_uint8(np.asarray(frame)[None] if not hasattr(frame, "detach") else frame[None])[0]
+    path = Path(path)
+    with _atomic_path(path) as tmp:
+        Image.fromarray(rgb).save(tmp, format="PNG")
+    return path
+
+
+def thumbnail_path(video_path: str | os.PathLike[str]) -> Path:
+    return Path(video_path).with_suffix(".png")
+
+
+def write_outputs(frames: object, video_path: str | os.PathLike[str], *,
+                  fps: int = DEFAULT_FPS) -> tuple[Path, Path]:
+    """The MP4 and, next to it, a PNG thumbnail of the middle frame."""
+    rgb = to_uint8(frames)
+    video = write_video(rgb, video_path, fps=fps)
+    thumb = write_thumbnail(rgb[len(rgb) // 2], thumbnail_path(video_path))
+    return video, thumb
+
+
+def read_video(path: str | os.PathLike[str]) -> np.ndarray:
+    """Decode an MP4 to [N, H, W, 3] uint8 RGB frames."""
+    with av.open(str(path)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    if not frames:
+        raise ValueError(f"{path}: no video frames")
+    return np.stack(frames)

@@ -1,0 +1,48 @@
+"""``kiln render`` on kiln-tiny: the MP4 it writes, seeds, dp=2, and user mistakes."""
+
+from __future__ import annotations
+
+import numpy as np
+from typer.testing import CliRunner
+
+from kiln.cli import app
+from storage.video import read_video
+
+ARGS = ["render", "--model", "kiln-tiny", "--prompt", "a red circle moving left", "--size",
+        "64x48", "--frames", "9", "--steps", "2", "--seed", "0"]
+
+
+def _render(tmp_path, name, *extra):
+    out = tmp_path / name
+    result = CliRunner().invoke(app, [*ARGS, "--out", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_render_writes_an_mp4_with_the_requested_frames_and_size_and_a_thumbnail(tmp_path):
+    out = _render(tmp_path, "a.mp4")
+    assert read_video(out).shape == (9, 48, 64, 3)
+    assert out.with_suffix(".png").is_file()
+
+
+def test_render_with_the_same_seed_gives_the_same_frames(tmp_path):
+    a, b = read_video(_render(tmp_path, "a.mp4")), read_video(_render(tmp_path, "b.mp4"))
+    c = read_video(_render(tmp_path, "c.mp4", "--seed", "1"))
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_render_on_two_ranks_with_sharded_weights_writes_the_same_video(tmp_path):
+    one = _render(tmp_path, "one.mp4")
+    two = _render(tmp_path, "two.mp4", "--dp", "2", "--prompt", "a blue square")
+    assert two.read_bytes() == one.read_bytes()  # rank 0 renders the first prompt
+    second = read_video(tmp_path / "two-1.mp4")  # rank 1 renders the second
+    assert second.shape == (9, 48, 64, 3) and not np.array_equal(second, read_video(one))
+
+
+def test_render_refuses_a_size_the_model_cannot_render(tmp_path):
+    result = CliRunner().invoke(app, [*ARGS[:5], "--size", "60x60", "--out",
+                                      str(tmp_path / "a.mp4")])
+    assert result.exit_code == 2
+    assert "multiples of 16" in result.output
+    assert not (tmp_path / "a.mp4").exists()
