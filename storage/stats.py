@@ -15,7 +15,7 @@ RENDER_SECONDS_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.
 
 def jobs_by_state(session: Session) -> dict[str, int]:
     rows = session.execute(select(Job.state, func.count()).group_by(Job.state))
-    return {state: int(n) for state, n in rows.tuples()}
+    return {state: int(n) for state, n in rows}
 
 
 def queue_depth(session: Session) -> dict[tuple[str, int], int]:
@@ -25,7 +25,7 @@ def queue_depth(session: Session) -> dict[tuple[str, int], int]:
         .where(Job.state == JobState.QUEUED)
         .group_by(Job.class_, Job.priority)
     )
-    return {(c, int(p)): int(n) for c, p, n in rows.tuples()}
+    return {(c, int(p)): int(n) for c, p, n in rows}
 
 
 def render_seconds_histogram(session: Session) -> tuple[list[int], int, float]:

@@ -75,7 +75,7 @@ def list_api_keys(session: Session) -> list[tuple[ApiKey, User]]:
     rows = session.execute(
         select(ApiKey, User).join(User, User.id == ApiKey.user_id).order_by(ApiKey.id)
     )
-    return [(k, u) for k, u in rows.tuples()]
+    return [(k, u) for k, u in rows]
 
 
 def authenticate(session: Session, key: str) -> User | None:

@@ -1,0 +1,96 @@
+"""The FastAPI application factory.
+
+At startup (and then every ``reconcile_interval_seconds``) the Redis ready index is rebuilt from
+the database, so a Redis restart or flush loses no queued job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from redis import Redis, RedisError
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
+
+from api.errors import BodySizeLimit, install_error_handlers
+from api.metrics import make_registry
+from api.routes import jobs, system, videos
+from kiln.settings import Settings, get_settings
+from storage.db import make_engine, make_session_factory
+from storage.outputs import OutputStore, make_store
+from storage.ready import rebuild_ready_index
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    engine: Engine | None = None,
+    redis: Redis | None = None,
+    store: OutputStore | None = None,
+) -> FastAPI:
+    """The API for ``settings``; ``engine``, ``redis`` and ``store`` replace the ones the settings
+    would make (tests pass their own)."""
+    if redis is None:
+        if settings.redis_url is None:
+            raise ValueError("no Redis configured: set REDIS_URL (kiln up starts one for you)")
+        redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5,
+                               health_check_interval=30)
+    engine = engine if engine is not None else make_engine(settings.database_url)
+    session_factory = make_session_factory(engine)
+
+    def reconcile() -> None:
+        try:
+            with session_factory() as session:
+                result = rebuild_ready_index(session, redis, settings.redis_prefix)
+            log.info("ready index rebuilt: %d queued, %d stale removed", result.added,
+                     result.removed)
+        except (RedisError, SQLAlchemyError):
+            log.warning("ready index rebuild failed; retrying later", exc_info=True)
+
+    async def reconcile_forever() -> None:
+        while True:
+            await asyncio.sleep(settings.reconcile_interval_seconds)
+            await run_in_threadpool(reconcile)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(reconcile)
+        task = asyncio.create_task(reconcile_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app = FastAPI(
+        title="kiln",
+        version="0.1.0",
+        summary="Batch video rendering with diffusion transformers bigger than one accelerator.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = session_factory
+    app.state.redis = redis
+    app.state.store = store if store is not None else make_store(settings)
+    app.state.registry = make_registry(session_factory, settings)
+    app.state.reconcile = reconcile
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.include_router(jobs.router)
+    app.include_router(videos.router)
+    app.include_router(system.router)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Uvicorn factory (``kiln api``): the app for the environment's settings."""
+    return create_app(get_settings())

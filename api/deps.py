@@ -1,0 +1,60 @@
+"""FastAPI dependencies: the request's database session, the authenticated user, shared clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from redis import Redis
+from sqlalchemy.orm import Session
+
+from kiln.settings import Settings
+from storage.models import User
+from storage.outputs import OutputStore
+from storage.users import authenticate
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_db(request: Request) -> Iterator[Session]:
+    with request.app.state.session_factory() as session:
+        yield session
+
+
+def get_redis(request: Request) -> Redis:
+    return request.app.state.redis
+
+
+def get_store(request: Request) -> OutputStore:
+    return request.app.state.store
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_db)]
+RedisDep = Annotated[Redis, Depends(get_redis)]
+StoreDep = Annotated[OutputStore, Depends(get_store)]
+
+
+def _unauthorized(reason: str) -> HTTPException:
+    return HTTPException(
+        status.HTTP_401_UNAUTHORIZED, reason, headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def get_current_user(request: Request, session: SessionDep) -> User:
+    header = request.headers.get("authorization")
+    if not header:
+        raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise _unauthorized("Authorization must be 'Bearer <key>'")
+    user = authenticate(session, key.strip())
+    if user is None:
+        raise _unauthorized("invalid or revoked API key")
+    return user
+
+
+CurrentUser = Annotated[User, Depends(get_current_user)]

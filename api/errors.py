@@ -1,0 +1,138 @@
+"""Error responses and the request-body size limit.
+
+Every error body carries ``detail`` (a sentence saying what was wrong) and ``error`` in the OpenAI
+shape (``message``, ``type``, ``param``, ``code``), so both native clients and the OpenAI SDK get
+a reason. Validation errors name the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+    422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+}
+
+
+def error_body(status_code: int, message: str, *, param: str | None = None,
+               code: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "detail": message,
+        "error": {"message": message, "type": _TYPES.get(status_code, "api_error"),
+                  "param": param, "code": code},
+        **extra,
+    }
+
+
+def _field(loc: Sequence[Any]) -> str:
+    # ("body", "width") -> "width"; ("query", "limit") -> "limit"; keep nested paths readable.
+    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "header") \
+        else [str(p) for p in loc]
+    return ".".join(parts) or "body"
+
+
+def _message(err: dict[str, Any]) -> str:
+    if err.get("type") == "json_invalid":
+        return "body is not valid JSON"
+    if err.get("type") == "extra_forbidden":
+        return "unknown field"
+    msg = str(err.get("msg", "invalid value"))
+    return msg.removeprefix("Value error, ")
+
+
+def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
+    items = [
+        {"field": _field(e.get("loc", ())), "message": _message(e), "type": e.get("type")}
+        for e in errors
+    ]
+    summary = "; ".join(f"{i['field']}: {i['message']}" for i in items) or "invalid request"
+    first = items[0] if items else {"field": None, "type": None}
+    return JSONResponse(
+        error_body(422, summary, param=first["field"], code=first["type"], errors=items),
+        status_code=422,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error_response(exc.errors())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=exc.headers)
+
+
+class BodySizeLimit:
+    """Refuses request bodies over ``max_bytes`` with 413, whether or not Content-Length is sent:
+    a streamed body is counted as it arrives and cut off at the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await self._reject(send, 400, "Content-Length is not a number")
+                return
+            if int(declared) > self.max_bytes:
+                await self._reject(send, 413, self._too_large())
+                return
+        received = 0
+        over = False
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    over = True
+                    # Stop reading: the app sees an empty, finished body and fails to parse it;
+                    # its response is replaced by the 413 below.
+                    return {"type": "http.request", "body": b"", "more_body": False}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if over:
+                if message["type"] == "http.response.start" and not started:
+                    started = True
+                    await self._reject(send, 413, self._too_large())
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+
+    def _too_large(self) -> str:
+        return f"request body is larger than the {self.max_bytes} bytes allowed"
+
+    @staticmethod
+    async def _reject(send: Send, status_code: int, message: str) -> None:
+        body = json.dumps(error_body(status_code, message)).encode()
+        await send({"type": "http.response.start", "status": status_code,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,146 @@
+"""Native job routes: submit, read, list, cancel, download."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
+from sqlalchemy.orm import Session
+
+from api import service
+from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep, StoreDep
+from api.schemas import JobCreate, JobList, JobPublic
+from storage import jobs
+from storage.models import Job, JobState, User
+from storage.outputs import OutputStore
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(alias="Idempotency-Key", max_length=255, pattern=r"^[!-~]+$",
+           description="Same key and body -> the same job; same key, other body -> 409."),
+]
+JobId = Annotated[str, "job id"]
+_NOT_FOUND = "job not found"
+
+
+def visible_job(session: Session, job_id: str, user: User) -> Job:
+    """The job, or 404 -- also for another user's job, so ids cannot be probed."""
+    job = jobs.get_job(session, job_id, user)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, _NOT_FOUND)
+    return job
+
+
+def _owner_name(session: Session, viewer: User, job: Job) -> str | None:
+    if not viewer.is_admin:
+        return None
+    owner = session.get(User, job.owner_id)
+    return owner.name if owner else None
+
+
+def detail(session: Session, viewer: User, job: Job) -> JobPublic:
+    return service.job_public(job, queue_position=jobs.queue_position(session, job),
+                              owner=_owner_name(session, viewer, job))
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic,
+             responses={200: {"description": "Idempotent replay: the job made earlier"},
+                        409: {"description": "Idempotency-Key reused with another body"},
+                        429: {"description": "Too many queued jobs; see Retry-After"}})
+def create_job(body: JobCreate, user: CurrentUser, session: SessionDep, redis: RedisDep,
+               settings: SettingsDep, response: Response,
+               idempotency_key: IdempotencyKey = None) -> JobPublic:
+    spec = service.spec_from_job_create(body, settings, service.now())
+    digest = service.request_hash("job", body.model_dump(mode="json", by_alias=True))
+    created = service.submit(session, redis, settings, user, spec, request_hash=digest,
+                             idempotency_key=idempotency_key)
+    if not created.created:
+        response.status_code = status.HTTP_200_OK
+        response.headers["Idempotent-Replayed"] = "true"
+    return detail(session, user, created.job)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    user: CurrentUser, session: SessionDep,
+    status_: Annotated[list[JobState] | None, Query(alias="status",
+                                                    description="repeatable")] = None,
+    model: Annotated[str | None, Query(max_length=100)] = None,
+    batch_id: Annotated[str | None, Query(max_length=20)] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+) -> JobList:
+    try:
+        page, next_cursor = jobs.list_jobs(
+            session, user, states=[s.value for s in status_ or []], model=model,
+            batch_id=batch_id, limit=limit, cursor=cursor, newest_first=order == "desc",
+        )
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"cursor: {exc}") from exc
+    data = [service.job_public(j, owner=_owner_name(session, user, j)) for j in page]
+    return JobList(data=data, next_cursor=next_cursor, has_more=next_cursor is not None)
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def get_job(job_id: JobId, user: CurrentUser, session: SessionDep) -> JobPublic:
+    return detail(session, user, visible_job(session, job_id, user))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic,
+             responses={409: {"description": "The job already finished"}})
+def cancel_job(job_id: JobId, user: CurrentUser, session: SessionDep, redis: RedisDep,
+               settings: SettingsDep) -> JobPublic:
+    """A queued job is cancelled at once; a running one stops after its current step."""
+    result = jobs.request_cancel(session, job_id, user)
+    if result is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, _NOT_FOUND)
+    job, was_queued = result
+    if was_queued:
+        service.unindex(redis, settings, job)
+    elif job.state not in (JobState.RUNNING, JobState.CANCELLED):
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            f"the job already {job.state}; there is nothing to cancel")
+    return detail(session, user, job)
+
+
+def serve_output(store: OutputStore, job: Job, which: str) -> Response:
+    """The job's video or thumbnail: the file itself, or a redirect to a presigned URL."""
+    key = job.output_video_key if which == "video" else job.output_thumbnail_key
+    if job.state != JobState.SUCCEEDED:
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            f"the job is {job.state}; its {which} exists only once it succeeded")
+    if key is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"this job has no {which}")
+    media_type = "video/mp4" if which == "video" else "image/png"
+    filename = f"{job.id}.{'mp4' if which == 'video' else 'png'}"
+    path = store.local_path(key)
+    if path is not None:
+        if not path.is_file():
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"the {which} file is missing")
+        return FileResponse(path, media_type=media_type, filename=filename)
+    url = store.url(key)
+    if url is not None:
+        return RedirectResponse(url, status_code=status.HTTP_307_TEMPORARY_REDIRECT)
+    try:
+        stream = store.open(key)
+    except FileNotFoundError as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"the {which} file is missing") from exc
+    return StreamingResponse(stream, media_type=media_type)
+
+
+@router.get("/{job_id}/video", response_class=Response,
+            responses={200: {"content": {"video/mp4": {}}}})
+def get_video(job_id: JobId, user: CurrentUser, session: SessionDep,
+              store: StoreDep) -> Response:
+    return serve_output(store, visible_job(session, job_id, user), "video")
+
+
+@router.get("/{job_id}/thumbnail", response_class=Response,
+            responses={200: {"content": {"image/png": {}}}})
+def get_thumbnail(job_id: JobId, user: CurrentUser, session: SessionDep,
+                  store: StoreDep) -> Response:
+    return serve_output(store, visible_job(session, job_id, user), "thumbnail")

@@ -1,0 +1,77 @@
+"""Worker groups, health, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response, status
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis import RedisError
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+import migrations
+from api.deps import CurrentUser, SessionDep, SettingsDep
+from api.errors import error_body
+from api.schemas import RankPublic, WorkerGroupList, WorkerGroupPublic
+from storage import jobs, workers
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/v1/workers", response_model=WorkerGroupList)
+def list_workers(user: CurrentUser, session: SessionDep,
+                 settings: SettingsDep) -> WorkerGroupList:
+    """Worker groups with their ranks, memory and current jobs (only jobs the caller may see)."""
+    groups = workers.list_groups(session, stale_after_seconds=settings.worker_stale_seconds)
+    running = jobs.running_jobs_by_group(session, [g.id for g, _ in groups])
+    data = []
+    for group, stale in groups:
+        mine = {j.id for j in running.get(group.id, []) if user.is_admin or j.owner_id == user.id}
+        ranks = []
+        for entry in group.ranks:
+            fields = {k: entry.get(k) for k in RankPublic.model_fields}
+            if fields.get("job_id") not in mine:
+                fields["job_id"] = None
+            ranks.append(RankPublic.model_validate(fields))
+        data.append(WorkerGroupPublic(
+            id=group.id, name=group.name, host=group.host, model=group.model, mode=group.mode,
+            platform=group.platform, dp_size=group.dp_size, world_size=group.world_size,
+            state=group.state, stale=stale, started_at=group.started_at,
+            heartbeat_at=group.heartbeat_at, ranks=ranks,
+            num_running=len(running.get(group.id, [])), current_jobs=sorted(mine),
+        ))
+    return WorkerGroupList(data=data)
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """The process is up (no dependencies checked)."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"description": "A dependency is unreachable"}})
+def readyz(request: Request, session: SessionDep) -> Response:
+    """Database reachable and migrated, Redis reachable."""
+    problems: list[str] = []
+    try:
+        version = session.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        if (version,) != migrations.current_heads():
+            problems.append(f"database schema at {version}, not the latest; run kiln db upgrade")
+    except SQLAlchemyError as exc:
+        problems.append(f"database: {type(exc).__name__}")
+    finally:
+        session.rollback()
+    try:
+        request.app.state.redis.ping()
+    except RedisError as exc:
+        problems.append(f"redis: {type(exc).__name__}")
+    if problems:
+        return JSONResponse(error_body(503, "; ".join(problems)),
+                            status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+    return JSONResponse({"status": "ready"})
+
+
+@router.get("/metrics", response_class=Response)
+def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry),
+                    media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,227 @@
+"""Request and response bodies of the HTTP API, apart from the ORM tables.
+
+Static bounds here are sanity caps that hold whatever the deployment; the configurable limits in
+`Settings` (max size, frames, steps, prompt length) are checked in `api.service` and reported the
+same way, as a 422 that names the field.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
+
+from storage.jobs import MAX_PRIORITY, MAX_SEED, MIN_PRIORITY
+
+HARD_MAX_TEXT = 100_000
+HARD_MAX_DIM = 16_384
+
+
+def _storable(value: str) -> str:
+    # PostgreSQL text cannot hold NUL, and lone surrogates (legal in JSON escapes) cannot be
+    # encoded: both would fail at INSERT time, so refuse them here with a reason.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from exc
+    return value
+
+
+Text = Annotated[StrictStr, AfterValidator(_storable)]
+MetaKey = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(_storable)]
+MetaValue = (
+    Annotated[StrictStr, Field(max_length=1024), AfterValidator(_storable)]
+    | StrictBool | StrictInt | Annotated[StrictFloat, Field(allow_inf_nan=False)] | None
+)
+
+
+def _small_metadata(value: dict[str, Any]) -> dict[str, Any]:
+    if len(value) > 64:
+        raise ValueError("at most 64 keys")
+    return value
+
+
+class JobCreate(BaseModel):
+    """POST /v1/jobs. Omitted fields get the deployment's defaults."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=False)
+
+    prompt: Annotated[Text, Field(min_length=1, max_length=HARD_MAX_TEXT)]
+    negative_prompt: Annotated[Text, Field(max_length=HARD_MAX_TEXT)] | None = None
+    model: Annotated[Text, Field(min_length=1, max_length=100)] | None = None
+    width: Annotated[StrictInt, Field(ge=1, le=HARD_MAX_DIM)] | None = None
+    height: Annotated[StrictInt, Field(ge=1, le=HARD_MAX_DIM)] | None = None
+    num_frames: Annotated[StrictInt, Field(ge=1, le=100_000)] | None = None
+    fps: Annotated[StrictInt, Field(ge=1, le=1000)] | None = None
+    num_inference_steps: Annotated[StrictInt, Field(ge=1, le=100_000)] | None = None
+    guidance_scale: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
+    priority: Annotated[StrictInt, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 5
+    job_class: Literal["interactive", "batch"] = Field(default="interactive", alias="class")
+    not_before: AwareDatetime | None = None
+    deadline: AwareDatetime | None = None
+    webhook_url: Annotated[HttpUrl, Field(max_length=2048)] | None = None
+    metadata: Annotated[dict[MetaKey, MetaValue], AfterValidator(_small_metadata)] = Field(
+        default_factory=dict
+    )
+
+
+class VideoCreate(BaseModel):
+    """POST /v1/videos in the OpenAI shape (form or JSON), plus optional kiln extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Annotated[Text, Field(min_length=1, max_length=HARD_MAX_TEXT)]
+    model: Annotated[Text, Field(min_length=1, max_length=100)] | None = None
+    seconds: Annotated[str, Field(pattern=r"^[0-9]{1,4}$")] | None = None
+    size: Annotated[str, Field(pattern=r"^[0-9]{1,5}x[0-9]{1,5}$")] | None = None
+    # kiln extensions (the SDK's extra_body)
+    negative_prompt: Annotated[Text, Field(max_length=HARD_MAX_TEXT)] | None = None
+    fps: Annotated[int, Field(ge=1, le=1000)] | None = None
+    num_inference_steps: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    guidance_scale: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+
+
+class Progress(BaseModel):
+    fraction: float = Field(description="0..1")
+    step: int
+    total: int
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+class JobPublic(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: str = Field(description="queued|running|succeeded|failed|cancelled|dead|expired")
+    owner: str | None = None
+    model: str
+    prompt: str
+    negative_prompt: str | None
+    width: int
+    height: int
+    num_frames: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    job_class: str = Field(serialization_alias="class")
+    priority: int
+    not_before: datetime | None
+    deadline: datetime | None
+    webhook_url: str | None
+    metadata: dict[str, Any]
+    progress: float = Field(description="0..1; step / total")
+    step: int
+    total_steps: int
+    queue_position: int | None = Field(
+        description="queued jobs ahead of this one (0 = next); null unless queued")
+    attempts: int
+    max_attempts: int
+    cancel_requested: bool
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    render_seconds: float | None
+    video_url: str | None
+    thumbnail_url: str | None
+    error: JobError | None
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobPublic]
+    next_cursor: str | None
+    has_more: bool
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+class VideoPublic(BaseModel):
+    """The OpenAI ``Video`` object."""
+
+    id: str
+    object: Literal["video"] = "video"
+    created_at: int
+    completed_at: int | None
+    expires_at: int | None = None
+    model: str
+    progress: int
+    prompt: str
+    remixed_from_video_id: str | None = None
+    seconds: str
+    size: str
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    error: VideoError | None
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoPublic]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True
+
+
+class RankPublic(BaseModel):
+    rank: int
+    device: str | None = None
+    device_mem_used_bytes: int | None = None
+    device_mem_total_bytes: int | None = None
+    host_mem_bytes: int | None = None
+    job_id: str | None = None  # only when the caller may see that job
+
+
+class WorkerGroupPublic(BaseModel):
+    id: str
+    name: str
+    host: str
+    model: str
+    mode: str
+    platform: str
+    dp_size: int
+    world_size: int
+    state: str
+    stale: bool
+    started_at: datetime
+    heartbeat_at: datetime
+    ranks: list[RankPublic]
+    num_running: int
+    current_jobs: list[str]
+
+
+class WorkerGroupList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[WorkerGroupPublic]
+
+
+def metadata_bytes(value: dict[str, Any]) -> int:
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())

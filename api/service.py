@@ -1,0 +1,244 @@
+"""What the routes share: turning requests into checked job specs, submitting (row first, Redis
+after the commit), and rendering rows as native jobs or OpenAI videos."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+from fastapi import HTTPException, status
+from fastapi.exceptions import RequestValidationError
+from redis import Redis, RedisError
+from sqlalchemy.orm import Session
+
+from api.schemas import (
+    JobCreate,
+    JobError,
+    JobPublic,
+    VideoCreate,
+    VideoError,
+    VideoPublic,
+    metadata_bytes,
+)
+from kiln.settings import Settings
+from storage import jobs, ready
+from storage.jobs import Created, JobSpec
+from storage.models import Job, JobClass, JobState, User, utcnow
+
+log = logging.getLogger(__name__)
+
+
+class _Problems:
+    """Collects limit violations so one 422 lists all of them, each naming its field."""
+
+    def __init__(self) -> None:
+        self.errors: list[dict[str, Any]] = []
+
+    def add(self, field: str, message: str) -> None:
+        self.errors.append({"loc": ("body", field), "msg": message, "type": "limit"})
+
+    def raise_if_any(self) -> None:
+        if self.errors:
+            raise RequestValidationError(self.errors)
+
+
+def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
+                  size_fields: tuple[str, str] = ("width", "height"),
+                  frames_field: str = "num_frames") -> None:
+    if spec.model not in s.models:
+        p.add("model", f"unknown model {spec.model!r}; available: {', '.join(s.models)}")
+    for field, value, bound in ((size_fields[0], spec.width, s.max_width),
+                                (size_fields[1], spec.height, s.max_height)):
+        if not s.min_size <= value <= bound:
+            p.add(field, f"must be between {s.min_size} and {bound}, got {value}")
+        elif value % s.size_multiple:
+            p.add(field, f"must be a multiple of {s.size_multiple}, got {value}")
+    if spec.num_frames > s.max_num_frames:
+        p.add(frames_field, f"at most {s.max_num_frames} frames, got {spec.num_frames}")
+    if spec.fps > s.max_fps:
+        p.add("fps", f"at most {s.max_fps}, got {spec.fps}")
+    if spec.num_inference_steps > s.max_num_inference_steps:
+        p.add("num_inference_steps",
+              f"at most {s.max_num_inference_steps}, got {spec.num_inference_steps}")
+    if spec.guidance_scale > s.max_guidance_scale:
+        p.add("guidance_scale", f"at most {s.max_guidance_scale}, got {spec.guidance_scale}")
+    if len(spec.prompt) > s.max_prompt_chars:
+        p.add("prompt", f"at most {s.max_prompt_chars} characters, got {len(spec.prompt)}")
+    if spec.negative_prompt is not None and len(spec.negative_prompt) > s.max_prompt_chars:
+        p.add("negative_prompt", f"at most {s.max_prompt_chars} characters")
+    if not spec.prompt.strip():
+        p.add("prompt", "must not be blank")
+    horizon = now + timedelta(days=s.max_schedule_days)
+    if spec.not_before is not None and spec.not_before > horizon:
+        p.add("not_before", f"at most {s.max_schedule_days} days ahead")
+    if spec.deadline is not None:
+        if spec.deadline <= now:
+            p.add("deadline", "is already in the past")
+        elif spec.deadline > horizon:
+            p.add("deadline", f"at most {s.max_schedule_days} days ahead")
+        elif spec.not_before is not None and spec.deadline <= spec.not_before:
+            p.add("deadline", "must be after not_before")
+
+
+def spec_from_job_create(body: JobCreate, s: Settings, now: datetime) -> JobSpec:
+    spec = JobSpec(
+        model=body.model or s.default_model,
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        width=body.width if body.width is not None else s.default_width,
+        height=body.height if body.height is not None else s.default_height,
+        num_frames=body.num_frames if body.num_frames is not None else s.default_num_frames,
+        fps=body.fps if body.fps is not None else s.default_fps,
+        num_inference_steps=(body.num_inference_steps if body.num_inference_steps is not None
+                             else s.default_num_inference_steps),
+        guidance_scale=(body.guidance_scale if body.guidance_scale is not None
+                        else s.default_guidance_scale),
+        seed=body.seed,
+        job_class=JobClass(body.job_class),
+        priority=body.priority,
+        not_before=body.not_before,
+        deadline=body.deadline,
+        webhook_url=str(body.webhook_url) if body.webhook_url is not None else None,
+        metadata=dict(body.metadata),
+    )
+    p = _Problems()
+    _check_common(p, s, spec, now)
+    if metadata_bytes(spec.metadata) > s.max_metadata_bytes:
+        p.add("metadata", f"at most {s.max_metadata_bytes} bytes as JSON")
+    p.raise_if_any()
+    return spec
+
+
+def spec_from_video_create(body: VideoCreate, s: Settings, now: datetime) -> JobSpec:
+    p = _Problems()
+    width, height = s.default_width, s.default_height
+    if body.size is not None:
+        w, h = body.size.split("x")
+        width, height = int(w), int(h)
+    fps = body.fps or s.default_fps
+    num_frames = s.default_num_frames
+    if body.seconds is not None:
+        seconds = int(body.seconds)
+        if seconds < 1:
+            p.add("seconds", "must be at least 1")
+        num_frames = max(1, seconds * fps)
+    # The OpenAI SDK defaults to its own model names; those mean "the default model" here.
+    model = body.model if body.model in s.models else s.default_model
+    if body.model is not None and body.model not in s.models and not body.model.startswith(
+        "sora"
+    ):
+        p.add("model", f"unknown model {body.model!r}; available: {', '.join(s.models)}")
+    spec = JobSpec(
+        model=model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
+        height=height, num_frames=num_frames, fps=fps,
+        num_inference_steps=body.num_inference_steps or s.default_num_inference_steps,
+        guidance_scale=(body.guidance_scale if body.guidance_scale is not None
+                        else s.default_guidance_scale),
+        seed=body.seed,
+    )
+    _check_common(p, s, spec, now, size_fields=("size", "size"), frames_field="seconds")
+    p.raise_if_any()
+    return spec
+
+
+def request_hash(kind: str, body: dict[str, Any]) -> str:
+    canonical = json.dumps({"kind": kind, "body": body}, sort_keys=True, separators=(",", ":"),
+                           default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def submit(
+    session: Session, redis: Redis, s: Settings, user: User, spec: JobSpec, *,
+    request_hash: str, idempotency_key: str | None,
+) -> Created:
+    """Stores the job, commits, and only then adds it to the Redis ready index."""
+    try:
+        created = jobs.create_job(
+            session, user, spec, request_hash=request_hash, idempotency_key=idempotency_key,
+            max_attempts=s.max_attempts, max_queued=s.max_queued_jobs_per_user,
+        )
+    except jobs.IdempotencyConflict as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
+    except jobs.QueueFull as exc:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc),
+                            headers={"Retry-After": str(s.queue_full_retry_after_seconds)}
+                            ) from exc
+    if created.created:
+        try:
+            ready.add(redis, s.redis_prefix, [created.job])
+        except RedisError:
+            # The row is committed, so the job is safe; the periodic rebuild indexes it.
+            log.warning("Redis unavailable; job %s waits for the next index rebuild",
+                        created.job.id, exc_info=True)
+    return created
+
+
+def unindex(redis: Redis, s: Settings, job: Job) -> None:
+    try:
+        ready.remove(redis, s.redis_prefix, job)
+    except RedisError:
+        # A stale entry is harmless: the batcher's claim refuses a job that is not queued.
+        log.warning("Redis unavailable; stale ready entry for %s left behind", job.id)
+
+
+def _error(job: Job) -> JobError | None:
+    if job.error is None or job.state in (JobState.QUEUED, JobState.RUNNING,
+                                          JobState.SUCCEEDED):
+        return None
+    return JobError(code=job.error_code or job.state, message=job.error)
+
+
+def job_public(job: Job, *, queue_position: int | None = None,
+               owner: str | None = None) -> JobPublic:
+    total = job.progress_total or job.num_inference_steps
+    step = total if job.state == JobState.SUCCEEDED else min(job.progress_step, total)
+    done = job.state == JobState.SUCCEEDED
+    return JobPublic(
+        id=job.id, status=job.state, owner=owner, model=job.model, prompt=job.prompt,
+        negative_prompt=job.negative_prompt, width=job.width, height=job.height,
+        num_frames=job.num_frames, fps=job.fps, num_inference_steps=job.num_inference_steps,
+        guidance_scale=job.guidance_scale, seed=job.seed, job_class=job.class_,
+        priority=job.priority, not_before=job.not_before, deadline=job.deadline,
+        webhook_url=job.webhook_url, metadata=job.meta,
+        progress=round(step / total, 4) if total else 0.0, step=step, total_steps=total,
+        queue_position=queue_position, attempts=job.attempts, max_attempts=job.max_attempts,
+        cancel_requested=job.cancel_requested, created_at=job.created_at,
+        started_at=job.started_at, finished_at=job.finished_at,
+        render_seconds=job.render_seconds,
+        video_url=f"/v1/jobs/{job.id}/video" if done and job.output_video_key else None,
+        thumbnail_url=(f"/v1/jobs/{job.id}/thumbnail"
+                       if done and job.output_thumbnail_key else None),
+        error=_error(job),
+    )
+
+
+_VIDEO_STATUS = {JobState.QUEUED: "queued", JobState.RUNNING: "in_progress",
+                 JobState.SUCCEEDED: "completed"}
+
+
+def video_public(job: Job) -> VideoPublic:
+    status_ = _VIDEO_STATUS.get(JobState(job.state), "failed")
+    total = job.progress_total or job.num_inference_steps
+    if status_ == "completed":
+        progress = 100
+    elif status_ == "in_progress" and total:
+        progress = min(99, int(100 * job.progress_step / total))
+    else:
+        progress = 0
+    seconds = job.num_frames / job.fps
+    error = None
+    if status_ == "failed":
+        error = VideoError(code=job.error_code or job.state, message=job.error or job.state)
+    return VideoPublic(
+        id=job.id, created_at=int(job.created_at.timestamp()),
+        completed_at=int(job.finished_at.timestamp()) if job.finished_at else None,
+        model=job.model, progress=progress, prompt=job.prompt,
+        seconds=f"{seconds:g}", size=f"{job.width}x{job.height}", status=status_, error=error,
+    )
+
+
+def now() -> datetime:
+    return utcnow()
