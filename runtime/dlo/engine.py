@@ -72,7 +72,9 @@ def find_block_lists(model: nn.Module) -> list[str]:
     return chosen
 
 
-def _resolve_block_lists(model: nn.Module, blocks: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+def _resolve_block_lists(
+    model: nn.Module, blocks: Sequence[str] | None
+) -> list[tuple[str, nn.Module]]:
     paths = find_block_lists(model) if blocks is None else list(blocks)
     if isinstance(blocks, str):
         raise ValueError(f"blocks must be a list of dotted paths, got the string {blocks!r}")
@@ -115,7 +117,9 @@ class _Source:
             self.checkpoint.release(name, begin, end)
 
 
-def _check_against_checkpoint(entries: list[tuple[str, torch.Tensor]], ckpt: Checkpoint) -> list[str]:
+def _check_against_checkpoint(
+    entries: list[tuple[str, torch.Tensor]], ckpt: Checkpoint
+) -> list[str]:
     problems = []
     missing = [name for name, _ in entries if name not in ckpt]
     if missing:
@@ -147,6 +151,7 @@ class DLOHandle:
         config: DLOConfig,
         platform: Platform,
         group: Any,
+        owns_group: bool,
         source: _Source,
         resident_bytes: int,
     ) -> None:
@@ -155,6 +160,7 @@ class DLOHandle:
         self.platform = platform
         self._layouts = layouts
         self._group = group
+        self._owns_group = owns_group
         self._source = source
         self._resident_bytes = resident_bytes
         self._max_block_bytes = max(lay.padded_bytes for lay in layouts)
@@ -400,9 +406,9 @@ class DLOHandle:
         self._source.model_tensors.clear()
         if self._source.checkpoint is not None:
             self._source.checkpoint.close()
-        if self._group is not None:
+        if self._owns_group:
             dist.destroy_process_group(self._group)
-            self._group = None
+        self._group = None
         self._closed = True
 
 
@@ -418,19 +424,32 @@ def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
     gather(output, shard, group=group)
 
 
-def _weight_group(group: Any, backend: str) -> tuple[Any, int, int]:
-    """(dedicated weight-gather group or None, rank in it, its size)."""
+# Dedicated gather groups over a caller's subgroup, one per (ranks, backend), kept for the life of
+# the process: a locally synchronised group is named by a hash of its ranks, so a second one over
+# the same ranks would find the first one's stale addresses in the store.
+_SUBGROUP_GATHER_GROUPS: dict[tuple[tuple[int, ...], str], Any] = {}
+
+
+def _weight_group(group: Any, backend: str) -> tuple[Any, bool, int, int]:
+    """(dedicated weight-gather group or None, whether the handle owns it, rank, size)."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
-        return None, 0, 1
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(
-        range(dist.get_world_size())
-    )
+        return None, False, 0, 1
+    whole_world = group is None or group is dist.group.WORLD
+    ranks = (list(range(dist.get_world_size())) if whole_world
+             else dist.get_process_group_ranks(group))
     if len(ranks) == 1:
-        return None, 0, 1
-    # A group of its own, so the gathers never interleave with the caller's collectives; only
-    # its members need to take part in creating it.
-    wgroup = dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
-    return wgroup, dist.get_rank(wgroup), len(ranks)
+        return None, False, 0, 1
+    # A group of its own, so the gathers never interleave with the caller's collectives.
+    if whole_world:
+        wgroup = dist.new_group(ranks=ranks, backend=backend)
+        return wgroup, True, dist.get_rank(wgroup), len(ranks)
+    key = (tuple(ranks), backend)
+    if key not in _SUBGROUP_GATHER_GROUPS:
+        # Only the subgroup's members call apply_dlo, so only they may take part in creating it.
+        _SUBGROUP_GATHER_GROUPS[key] = dist.new_group(ranks=ranks, backend=backend,
+                                                     use_local_synchronization=True)
+    wgroup = _SUBGROUP_GATHER_GROUPS[key]
+    return wgroup, False, dist.get_rank(wgroup), len(ranks)
 
 
 def _agree(group: Any, error: str | None, digest: str) -> None:
@@ -478,7 +497,7 @@ def apply_dlo(
     """
     platform = get_platform(device)
     block_lists = _resolve_block_lists(model, blocks)
-    wgroup, rank, world = _weight_group(group, platform.backend)
+    wgroup, owns_group, rank, world = _weight_group(group, platform.backend)
     shard_count = world if use_allgather else 1
     config = DLOConfig(use_allgather=use_allgather, rank=rank, shard_count=shard_count,
                        world_size=world)
@@ -527,15 +546,16 @@ def apply_dlo(
     except ValueError:
         if ckpt is not None:
             ckpt.close()
-        if wgroup is not None:
+        if owns_group:
             dist.destroy_process_group(wgroup)
         raise
     return DLOHandle(model, layouts, modules, config=config, platform=platform, group=wgroup,
-                     source=source, resident_bytes=resident_bytes)
+                     owns_group=owns_group, source=source, resident_bytes=resident_bytes)
 
 
 def _current(e: Entry) -> torch.Tensor:
-    return e.module._parameters[e.attr] if e.is_param else e.module._buffers[e.attr]  # type: ignore[return-value]
+    table = e.module._parameters if e.is_param else e.module._buffers
+    return table[e.attr]  # type: ignore[return-value]
 
 
 def _place_resident(model: nn.Module, device: torch.device, ckpt: Checkpoint | None,

@@ -55,7 +55,9 @@ def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
-def block_tensors(prefix: str, block: nn.Module) -> list[tuple[str, nn.Module, str, bool, torch.Tensor]]:
+def block_tensors(
+    prefix: str, block: nn.Module
+) -> list[tuple[str, nn.Module, str, bool, torch.Tensor]]:
     """(state_dict key, owner module, attribute, is_param, tensor) for every streamed tensor.
 
     Parameters and persistent buffers are streamed; non-persistent buffers are not in a
