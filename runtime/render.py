@@ -82,6 +82,21 @@ def memory_figures() -> tuple[int, int, int]:
     return peak, pss, private
 
 
+def frames_to_uint8(frames: Any, *, free_bytes: int | None = None) -> Any:
+    """[N, H, W, 3] float frames in [0, 1] -> uint8, in tiles of frames sized by free memory
+    (clip, scale and round each make a float copy of whatever they are given)."""
+    import torch
+
+    from runtime.tiling import map_tiles, plan_tiles
+
+    n, h, w, c = frames.shape
+    plan = plan_tiles(n, 3 * h * w * c * frames.element_size(), free_bytes=free_bytes,
+                      device=frames.device)
+    out = torch.empty((n, h, w, c), dtype=torch.uint8, device=frames.device)
+    # Same rounding as diffusers' numpy_to_pil (x * 255, round half to even).
+    return map_tiles(lambda f: (f.clamp(0, 1) * 255).round().to(torch.uint8), frames, out, plan)
+
+
 def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], out: str,
                 on_step: Callable[[int, int], None] | None = None, *, fps: int = 16,
                 started: float | None = None) -> RankReport:
@@ -102,7 +117,7 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
     video = thumb = None
     num_frames = 0
     if state is not None:
-        frames = pipe.decode(state)
+        frames = frames_to_uint8(pipe.decode(state)).cpu().numpy()
         num_frames = int(frames.shape[0])
         video, thumb = write_outputs(frames, output_path(out, rank), fps=fps)
     peak, pss, private = memory_figures()

@@ -88,16 +88,22 @@ class TinyPipeline(VideoPipeline):
 
     @torch.no_grad()
     def decode(self, state: DenoiseState) -> torch.Tensor:
-        """[N, H, W, 3] frames in [0, 1]; latent frames decoded in tiles sized by free memory."""
+        """[N, H, W, 3] frames in [0, 1]; latent frames decoded in tiles sized by free memory.
+
+        The tile function returns finished frames (scaled, channels last), so the only buffer
+        that grows with the clip is the output itself."""
         r, cfg = state.request, self.cfg
         z_FCHW = state.latents[0].transpose(0, 1)  # one item per latent frame
-        num_lat = z_FCHW.shape[0]
+        num_lat, tc = z_FCHW.shape[0], cfg.temporal_compression
         plan = plan_tiles(num_lat, self.model.decoder.bytes_per_item(r.height, r.width),
                           free_bytes=self.decode_free_bytes, device=self.device)
         self.last_decode_plan = plan
-        out = torch.empty((num_lat, cfg.temporal_compression, 3, r.height, r.width),
-                          device=self.device)
-        map_tiles(self.model.decoder, z_FCHW, out, plan)
+
+        def decode_tile(z: torch.Tensor) -> torch.Tensor:
+            # In place: the tile's transients stay at the decoder's own.
+            return self.model.decoder(z).div_(2).add_(0.5).clamp_(0, 1).permute(0, 1, 3, 4, 2)
+
+        out = torch.empty((num_lat, tc, r.height, r.width, 3), device=self.device)
+        map_tiles(decode_tile, z_FCHW, out, plan)
         # The first latent frame stands for one frame (causal layout): keep its last sub-frame.
-        frames = out.flatten(0, 1)[cfg.temporal_compression - 1:]
-        return (frames / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).contiguous()
+        return out.flatten(0, 1)[tc - 1:]
