@@ -55,8 +55,12 @@ async def _read_create_body(request: Request) -> dict[str, Any]:
         except Exception as exc:  # the multipart parser's own errors: malformed input
             raise HTTPException(status.HTTP_400_BAD_REQUEST,
                                 f"malformed form body: {exc}") from exc
+        try:
+            items = list(form.multi_items())
+        finally:
+            await form.close()  # uploaded parts are temporary files
         data: dict[str, Any] = {}
-        for key, value in form.multi_items():
+        for key, value in items:
             if isinstance(value, UploadFile) or key == "input_reference":
                 raise RequestValidationError([{
                     "loc": ("body", key), "type": "unsupported",
