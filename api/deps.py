@@ -15,7 +15,8 @@ from storage.outputs import OutputStore
 from storage.users import authenticate
 
 
-def get_settings(request: Request) -> Settings:
+# Coroutines, not plain functions: FastAPI would run those in the thread pool, one hop each.
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -24,11 +25,11 @@ def get_db(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_redis(request: Request) -> Redis:
+async def get_redis(request: Request) -> Redis:
     return request.app.state.redis
 
 
-def get_store(request: Request) -> OutputStore:
+async def get_store(request: Request) -> OutputStore:
     return request.app.state.store
 
 

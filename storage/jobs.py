@@ -133,11 +133,14 @@ def create_job(
     if max_queued is not None:
         # Two concurrent submits may both pass this count; the limit is a guard against runaway
         # clients, not an exact quota, so one extra job is acceptable.
-        num_queued = session.scalar(
-            select(func.count())
-            .select_from(Job)
+        # LIMIT bounds the work: a submit never counts more rows than the limit.
+        capped = (
+            select(Job.id)
             .where(Job.owner_id == owner.id, Job.state == JobState.QUEUED)
+            .limit(max_queued)
+            .subquery()
         )
+        num_queued = session.scalar(select(func.count()).select_from(capped))
         if num_queued is not None and num_queued >= max_queued:
             raise QueueFull(max_queued)
     now = now or utcnow()

@@ -59,6 +59,20 @@ def remove(redis: Redis, prefix: str, job: Job) -> None:
     redis.zrem(ready_key(prefix, job.class_, job.priority), job.id)
 
 
+def position(redis: Redis, prefix: str, job: Job) -> int | None:
+    """Entries ahead of ``job`` in serving order, from the index in O(log n); None if the job is
+    not in the index (not queued, or the index is being rebuilt)."""
+    mine = ready_key(prefix, job.class_, job.priority)
+    pipe = redis.pipeline(transaction=False)
+    for key in ready_keys(prefix):
+        if key == mine:
+            break
+        pipe.zcard(key)
+    pipe.zrank(mine, job.id)
+    *ahead, rank = pipe.execute()
+    return None if rank is None else sum(ahead) + int(rank)
+
+
 @dataclass(frozen=True, slots=True)
 class Rebuilt:
     added: int  # queued jobs written (already-present ones count too: ZADD is idempotent)

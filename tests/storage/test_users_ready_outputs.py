@@ -165,3 +165,22 @@ def test_migrations_build_the_models_schema_and_downgrade_to_nothing(
             with admin.connect() as conn:
                 conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
             admin.dispose()
+
+
+def test_index_position_agrees_with_the_database_count(
+    session: Session, redis_client: redis.Redis, redis_prefix: str
+) -> None:
+    alice = create_api_key(session, "alice").user
+    made = [
+        jobs.create_job(session, alice, _spec(priority=p, job_class=c), request_hash=str(i),
+                        now=T0 + timedelta(seconds=i)).job
+        for i, (p, c) in enumerate([(5, JobClass.BATCH), (5, JobClass.INTERACTIVE),
+                                    (9, JobClass.INTERACTIVE), (5, JobClass.INTERACTIVE)])
+    ]
+    ready.add(redis_client, redis_prefix, made)
+    from_index = [ready.position(redis_client, redis_prefix, j) for j in made]
+    assert from_index == [jobs.queue_position(session, j) for j in made] == [3, 1, 0, 2]
+    jobs.request_cancel(session, made[2].id, alice)
+    ready.remove(redis_client, redis_prefix, made[2])
+    assert ready.position(redis_client, redis_prefix, made[2]) is None
+    assert ready.position(redis_client, redis_prefix, made[1]) == 0
