@@ -217,6 +217,28 @@ def _render_on_rank(rank: int, world: int, messages: Any, model: str,
         pipe.close()
 
 
+def _generate_on_rank(rank: int, world: int, messages: Any, model: str,
+                      requests: list[VideoRequest], use_allgather: bool) -> Any:
+    pipe = load_pipeline(model, use_allgather=use_allgather)
+    try:
+        request = requests[rank] if rank < len(requests) else None
+        state = pipe.prepare(request) if request is not None else None
+        for _ in range(max(r.num_steps for r in requests)):
+            if state is not None and not state.done:
+                pipe.step(state)
+            else:
+                pipe.idle_step()
+        return pipe.decode(state).cpu().numpy() if state is not None else None
+    finally:
+        pipe.close()
+
+
+def generate_on_ranks(model: str, requests: list[VideoRequest], dp: int, *,
+                      use_allgather: bool = True, timeout_s: float = 600.0) -> list[Any]:
+    """Float frames ([N, H, W, 3] numpy) per rank, None for ranks without a request; no files."""
+    return run_ranks(dp, _generate_on_rank, model, requests, use_allgather, timeout_s=timeout_s)
+
+
 def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str], *,
            dp: int = 1, fps: int = 16, use_allgather: bool = True,
            on_step: Callable[[int, int], None] | None = None,

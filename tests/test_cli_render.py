@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from kiln.cli import app
@@ -32,6 +33,7 @@ def test_render_with_the_same_seed_gives_the_same_frames(tmp_path):
     assert not np.array_equal(a, c)
 
 
+@pytest.mark.slow
 def test_render_on_two_ranks_with_sharded_weights_writes_the_same_video(tmp_path):
     one = _render(tmp_path, "one.mp4")
     two = _render(tmp_path, "two.mp4", "--dp", "2", "--prompt", "a blue square")

@@ -37,6 +37,8 @@ class SyntheticSpec:
     dtype: torch.dtype = torch.float32
     seed: int = 0
     text_dim: int = 32  # the tiny text encoder's width
+    num_experts: int = 1  # wan: 2 writes a Wan2.2-style pair (high-noise, low-noise)
+    boundary_ratio: float = 0.875  # wan, 2 experts: where the low-noise expert takes over
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -48,6 +50,8 @@ class SyntheticSpec:
             raise ValueError(f"width must be a positive multiple of the head dim {head_dim}, "
                              f"got {self.width}")
         self.head_dim = head_dim
+        if self.num_experts not in (1, 2) or (self.num_experts == 2 and self.family != "wan"):
+            raise ValueError("num_experts is 1, or 2 for the wan family (Wan2.2)")
 
 
 def build_tokenizer(max_length: int = 512):  # noqa: ANN201 - a transformers tokenizer
@@ -86,11 +90,17 @@ def build_components(spec: SyntheticSpec) -> dict[str, object]:
     heads = spec.width // spec.head_dim
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
+        extra: dict[str, object] = {}
         if spec.family == "wan":
-            transformer = diffusers.WanTransformer3DModel(
+            experts = [diffusers.WanTransformer3DModel(
                 patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=spec.head_dim,
                 in_channels=16, out_channels=16, text_dim=spec.text_dim, freq_dim=256,
                 ffn_dim=4 * spec.width, num_layers=spec.num_layers, rope_max_seq_len=32)
+                for _ in range(spec.num_experts)]
+            transformer = experts[0]
+            if spec.num_experts == 2:
+                extra = {"transformer_2": experts[1].eval(),
+                         "boundary_ratio": spec.boundary_ratio}
             vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1],
                                              num_res_blocks=1,
                                              temperal_downsample=[False, True, True])
@@ -115,11 +125,11 @@ def build_components(spec: SyntheticSpec) -> dict[str, object]:
             scheduler = diffusers.CogVideoXDDIMScheduler(
                 beta_schedule="scaled_linear", prediction_type="v_prediction",
                 rescale_betas_zero_snr=True, timestep_spacing="trailing", snr_shift_scale=1.0)
-    if spec.dtype != torch.float32:
-        transformer = transformer.to(spec.dtype)
-    transformer.eval()
-    return {"transformer": transformer, "vae": vae.eval(), "text_encoder": text_encoder,
-            "tokenizer": tokenizer, "scheduler": scheduler}
+    for model in (transformer, extra.get("transformer_2")):
+        if isinstance(model, torch.nn.Module) and spec.dtype != torch.float32:
+            model.to(spec.dtype)  # in place
+    return {"transformer": transformer.eval(), "vae": vae.eval(), "text_encoder": text_encoder,
+            "tokenizer": tokenizer, "scheduler": scheduler, **extra}
 
 
 def pipeline_class(family: str):  # noqa: ANN201
