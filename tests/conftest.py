@@ -65,7 +65,9 @@ def _sqlite_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Database]:
 @pytest.fixture(scope="session")
 def _postgresql_db() -> Iterator[Database]:
     name = f"kiln_test_{os.getpid()}_{secrets.token_hex(4)}"
-    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    # CREATE/DROP DATABASE run from the "postgres" maintenance database, which always exists.
+    admin_url = make_url(POSTGRES_URL).set(database="postgres")
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
             conn.execute(text(f'CREATE DATABASE "{name}"'))

@@ -133,7 +133,8 @@ def _fresh_database(backend: str, tmp_path: Path) -> tuple[str, object]:
     if backend == "sqlite":
         return f"sqlite:///{tmp_path / 'm.db'}", None
     name = f"kiln_mig_{os.getpid()}_{secrets.token_hex(4)}"
-    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    admin = create_engine(make_url(POSTGRES_URL).set(database="postgres"),
+                          isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     return make_url(POSTGRES_URL).set(database=name).render_as_string(False), (admin, name)
