@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+from fastapi import APIRouter, Header, HTTPException, Path, Query, Response, status
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 from redis import Redis, RedisError
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api import service
@@ -24,7 +25,7 @@ IdempotencyKey = Annotated[
     Header(alias="Idempotency-Key", max_length=255, pattern=r"^[!-~]+$",
            description="Same key and body -> the same job; same key, other body -> 409."),
 ]
-JobId = Annotated[str, "job id"]
+JobId = Annotated[str, Path(description="The job id: 20 lowercase letters and digits.")]
 _NOT_FOUND = "job not found"
 
 
@@ -85,11 +86,21 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(max_length=200)] = None,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+    owner: Annotated[str | None, Query(max_length=64,
+                                       description="a user name (admins only)")] = None,
 ) -> JobList:
+    owner_id = None
+    if owner is not None:
+        if not user.is_admin and owner != user.name:
+            raise HTTPException(status.HTTP_403_FORBIDDEN,
+                                "owner: only admins may list other users' jobs")
+        found = session.scalar(select(User.id).where(User.name == owner))
+        owner_id = found if found is not None else -1  # unknown user: an empty page
     try:
         page, next_cursor = jobs.list_jobs(
             session, user, states=[s.value for s in status_ or []], model=model,
-            batch_id=batch_id, limit=limit, cursor=cursor, newest_first=order == "desc",
+            batch_id=batch_id, owner_id=owner_id, limit=limit, cursor=cursor,
+            newest_first=order == "desc",
         )
     except ValueError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"cursor: {exc}") from exc

@@ -231,3 +231,14 @@ def test_deadline_and_not_before_are_stored_and_bounded(api) -> None:
     assert datetime.fromisoformat(job["not_before"]) == soon
     key = ready.ready_key(api.settings.redis_prefix, "batch", 5)
     assert api.redis.zscore(key, job["id"]) == soon.timestamp()
+
+
+def test_admins_filter_by_owner_and_users_cannot(api) -> None:
+    alice_job = _submit(api, "alice").json()["id"]
+    _submit(api, "bob")
+    page = api.client.get("/v1/jobs", params={"owner": "alice"}, headers=api.auth("root"))
+    assert [j["id"] for j in page.json()["data"]] == [alice_job]
+    nobody = api.client.get("/v1/jobs", params={"owner": "nobody"}, headers=api.auth("root"))
+    assert nobody.json()["data"] == []
+    refused = api.client.get("/v1/jobs", params={"owner": "alice"}, headers=api.auth("bob"))
+    assert refused.status_code == 403 and "admins" in refused.json()["detail"]
