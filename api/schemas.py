@@ -8,7 +8,7 @@ same way, as a 422 that names the field.
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -50,6 +50,17 @@ MetaValue = (
 )
 
 
+def _utc(value: datetime) -> datetime:
+    try:
+        return value.astimezone(UTC)
+    except OverflowError as exc:  # e.g. year 1 with a positive offset
+        raise ValueError("is out of the representable range") from exc
+
+
+UTCInstant = Annotated[AwareDatetime, AfterValidator(_utc)]
+SafeQuery = r"^[^\x00]+$"  # query strings reach SQL; PostgreSQL text cannot hold NUL
+
+
 def _small_metadata(value: dict[str, Any]) -> dict[str, Any]:
     if len(value) > 64:
         raise ValueError("at most 64 keys")
@@ -73,8 +84,8 @@ class JobCreate(BaseModel):
     seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     priority: Annotated[StrictInt, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 5
     job_class: Literal["interactive", "batch"] = Field(default="interactive", alias="class")
-    not_before: AwareDatetime | None = None
-    deadline: AwareDatetime | None = None
+    not_before: UTCInstant | None = None
+    deadline: UTCInstant | None = None
     webhook_url: Annotated[HttpUrl, Field(max_length=2048)] | None = None
     metadata: Annotated[dict[MetaKey, MetaValue], AfterValidator(_small_metadata)] = Field(
         default_factory=dict

@@ -72,8 +72,11 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
     if not spec.prompt.strip():
         p.add("prompt", "must not be blank")
     horizon = now + timedelta(days=s.max_schedule_days)
-    if spec.not_before is not None and spec.not_before > horizon:
-        p.add("not_before", f"at most {s.max_schedule_days} days ahead")
+    if spec.not_before is not None:
+        if spec.not_before > horizon:
+            p.add("not_before", f"at most {s.max_schedule_days} days ahead")
+        elif spec.not_before < now - timedelta(days=s.max_schedule_days):
+            p.add("not_before", f"at most {s.max_schedule_days} days in the past")
     if spec.deadline is not None:
         if spec.deadline <= now:
             p.add("deadline", "is already in the past")

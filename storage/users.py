@@ -83,6 +83,8 @@ def authenticate(session: Session, key: str) -> User | None:
     if len(key) != KEY_LENGTH or not key.startswith(KEY_SCHEME):
         return None
     prefix = key[len(KEY_SCHEME) : len(KEY_SCHEME) + PREFIX_LENGTH]
+    if not all(c in _PREFIX_ALPHABET for c in prefix):
+        return None  # also keeps NUL and other junk out of the SQL parameter
     row = session.execute(
         select(ApiKey.key_hash, User)
         .join(User, User.id == ApiKey.user_id)

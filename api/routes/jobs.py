@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from api import service
 from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep, StoreDep
-from api.schemas import JobCreate, JobList, JobPublic
+from api.schemas import JobCreate, JobList, JobPublic, SafeQuery
 from kiln.settings import Settings
 from storage import jobs, ready
 from storage.models import Job, JobState, User
@@ -81,12 +81,12 @@ def list_jobs(
     user: CurrentUser, session: SessionDep,
     status_: Annotated[list[JobState] | None, Query(alias="status",
                                                     description="repeatable")] = None,
-    model: Annotated[str | None, Query(max_length=100)] = None,
-    batch_id: Annotated[str | None, Query(max_length=20)] = None,
+    model: Annotated[str | None, Query(max_length=100, pattern=SafeQuery)] = None,
+    batch_id: Annotated[str | None, Query(max_length=20, pattern=SafeQuery)] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    cursor: Annotated[str | None, Query(max_length=200, pattern=SafeQuery)] = None,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
-    owner: Annotated[str | None, Query(max_length=64,
+    owner: Annotated[str | None, Query(max_length=64, pattern=SafeQuery,
                                        description="a user name (admins only)")] = None,
 ) -> JobList:
     owner_id = None

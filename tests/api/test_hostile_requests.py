@@ -77,6 +77,14 @@ CASES: list[tuple[str, str | None, str, str, dict[str, Any], int]] = [
      body(not_before="2030-01-01T00:00:00"), 422),
     ("not_before years ahead", "alice", "POST", "/v1/jobs",
      body(not_before="2999-01-01T00:00:00Z"), 422),
+    ("not_before at year 1 east of UTC", "alice", "POST", "/v1/jobs",
+     body(not_before="0001-01-01T00:00:00+01:00"), 422),
+    ("not_before centuries ago", "alice", "POST", "/v1/jobs",
+     body(not_before="1900-01-01T00:00:00Z"), 422),
+    ("deeply nested JSON", "alice", "POST", "/v1/jobs", raw("[" * 5_000 + "]" * 5_000), 400),
+    ("NUL in a list filter", "alice", "GET", "/v1/jobs?model=a%00b", {}, 422),
+    ("NUL in the owner filter", "root", "GET", "/v1/jobs?owner=a%00b", {}, 422),
+    ("NUL in a key", "nulkey", "GET", "/v1/jobs", {}, 401),
     ("oversized body", "alice", "POST", "/v1/jobs", body(prompt="x" * 20_000), 413),
     ("oversized streamed body", "alice", "POST", "/v1/jobs",
      {"content": lambda: chunks(64 * 1024), "headers": {"Content-Type": "application/json"}},
@@ -141,7 +149,8 @@ def test_hostile_requests_get_a_4xx_with_a_reason_and_change_nothing(api) -> Non
         None: {}, "bad": {"Authorization": "Bearer nope"},
         "forged": {"Authorization": "Bearer kiln_" + "a" * 52},
         "basic": {"Authorization": "Basic YWxpY2U6cGFzcw=="},
-        "alice": api.auth("alice"), "bob": api.auth("bob"),
+        "nulkey": {"Authorization": "Bearer kiln_\x00" + "a" * 51},
+        "alice": api.auth("alice"), "bob": api.auth("bob"), "root": api.auth("root"),
     }
     failures = []
     for name, who, method, path, kwargs, expected in CASES:
