@@ -103,6 +103,15 @@ class SafetensorsFile:
         self._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
         os.posix_fadvise(self._fh.fileno(), first, last - first, os.POSIX_FADV_DONTNEED)
 
+    def unmap_all(self) -> None:
+        """Drop every page of the file from this process's mapping (the views stay valid).
+
+        Page faults map neighbouring cached pages too ("fault-around"), so a rank ends up
+        mapping pages another rank read; while mapped, the other rank cannot evict them.
+        """
+        if self._mmap is not None:
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         self._bytes = torch.empty(0, dtype=torch.uint8)
         if self._mmap is not None:
@@ -159,6 +168,10 @@ class Checkpoint:
         f = self._where[name]
         start = f.tensors[name].start
         f.release(start + begin, start + end)
+
+    def unmap_all(self) -> None:
+        for f in self.files:
+            f.unmap_all()
 
     def close(self) -> None:
         for f in self.files:

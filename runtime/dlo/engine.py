@@ -106,6 +106,7 @@ class _Source:
     def __init__(self, checkpoint: Checkpoint | None) -> None:
         self.checkpoint = checkpoint
         self.model_tensors: dict[str, torch.Tensor] = {}
+        self._released: list[tuple[str, int, int]] = []
 
     def bytes(self, name: str) -> torch.Tensor:
         if self.checkpoint is not None:
@@ -113,8 +114,25 @@ class _Source:
         return self.model_tensors[name]
 
     def done_with(self, name: str, begin: int, end: int) -> None:
+        """This rank has copied bytes [begin, end) of ``name``; drop them from the page cache."""
         if self.checkpoint is not None:
             self.checkpoint.release(name, begin, end)
+            self._released.append((name, begin, end))
+
+    def release_again(self, group: Any) -> None:
+        """Evict what another rank's fault-around kept mapped during the first release.
+
+        Every rank unmaps the whole file, waits for the others to do the same, then evicts its
+        own ranges again: now no process maps them, so the kernel can drop them.
+        """
+        if self.checkpoint is None or not self._released:
+            return
+        self.checkpoint.unmap_all()
+        if group is not None:
+            dist.barrier(group=group)
+        for name, begin, end in self._released:
+            self.checkpoint.release(name, begin, end)
+        self._released.clear()
 
 
 def _check_against_checkpoint(
@@ -220,6 +238,7 @@ class DLOHandle:
                 self._source.done_with(e.name, begin - e.offset, end - e.offset)
             shards.append(shard)
             pos += lay.shard_bytes
+        self._source.release_again(self._group)
         # The model's own copies of the block tensors are no longer needed.
         self._source.model_tensors.clear()
         return slab, shards

@@ -143,6 +143,29 @@ def test_blocks_run_out_of_declared_order_still_exact_on_every_rank() -> None:
     assert results == [[True, True], [True, True]]
 
 
+def subgroup_rank(rank: int, world: int) -> list[bool]:
+    """Two worker groups of 2 ranks in one world of 4, each sharing its own copy of the weights."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    reference = build("two_lists", torch.float32)
+    equal = []
+    for attempt in range(2):  # a second handle over the same group after the first is closed
+        model = copy.deepcopy(reference)
+        handle = apply_dlo(model, group=mine)
+        assert handle.stats()["shard_count"] == 2
+        with torch.no_grad():
+            x = make_input(rank, attempt, torch.float32)
+            equal.append(torch.equal(reference(x), model(x)))
+        handle.close()
+    return equal
+
+
+def test_two_worker_groups_in_one_world_each_gather_within_their_group() -> None:
+    assert raise_on_rank_error(run_ranks(4, subgroup_rank, timeout=120)) == [[True, True]] * 4
+
+
 class _Boom(RuntimeError):
     pass
 

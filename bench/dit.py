@@ -1,0 +1,52 @@
+"""A plain DiT-shaped model for the DLO benchmarks: attention + MLP blocks in one ModuleList.
+
+Shapes: x_BTD is (batch, tokens, width).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HEAD_DIM = 128
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = max(1, width // HEAD_DIM)
+        self.norm1 = nn.LayerNorm(width, elementwise_affine=False, dtype=dtype)
+        self.qkv = nn.Linear(width, 3 * width, dtype=dtype)
+        self.proj = nn.Linear(width, width, dtype=dtype)
+        self.norm2 = nn.LayerNorm(width, elementwise_affine=False, dtype=dtype)
+        self.fc1 = nn.Linear(width, 4 * width, dtype=dtype)
+        self.fc2 = nn.Linear(4 * width, width, dtype=dtype)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        qkv = self.qkv(self.norm1(x_BTD)).view(B, T, 3, self.num_heads, D // self.num_heads)
+        q_BHTK, k_BHTK, v_BHTK = qkv.permute(2, 0, 3, 1, 4)
+        attn_BTD = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK).transpose(1, 2)
+        x_BTD = x_BTD + self.proj(attn_BTD.reshape(B, T, D))
+        return x_BTD + self.fc2(F.gelu(self.fc1(self.norm2(x_BTD)), approximate="tanh"))
+
+
+class DiT(nn.Module):
+    def __init__(self, width: int, num_blocks: int, dtype: torch.dtype = torch.float32,
+                 in_dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Linear(in_dim, width, dtype=dtype)
+        self.blocks = nn.ModuleList(DiTBlock(width, dtype) for _ in range(num_blocks))
+        self.head = nn.Linear(width, in_dim, dtype=dtype)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        x_BTD = self.embed(x_BTC)
+        for block in self.blocks:
+            x_BTD = block(x_BTD)
+        return self.head(x_BTD)
+
+
+def block_bytes(width: int, dtype: torch.dtype) -> int:
+    numel = 12 * width * width + 9 * width  # qkv, proj, fc1, fc2 weights and biases
+    return numel * torch.empty((), dtype=dtype).element_size()
