@@ -55,7 +55,8 @@ def _message(err: dict[str, Any]) -> str:
 
 def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
     items = [
-        {"field": _field(e.get("loc", ())), "message": _message(e), "type": e.get("type")}
+        {"field": "body" if e.get("type") == "json_invalid" else _field(e.get("loc", ())),
+         "message": _message(e), "type": e.get("type")}
         for e in errors
     ]
     summary = "; ".join(f"{i['field']}: {i['message']}" for i in items) or "invalid request"
