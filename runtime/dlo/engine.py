@@ -204,6 +204,7 @@ class DLOHandle:
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-dlo")
         self._inflight: dict[int, tuple[int, cf.Future[Any]]] = {}  # block -> (slot, ready)
         self._bound: tuple[int, int] | None = None  # (block, slot) bound as views right now
+        self._num_acquired = 0  # blocks acquired since set-up: forwards x blocks, on every rank
         self._hooks: list[RemovableHandle] = []
         for lay, mod in zip(layouts, block_modules, strict=True):
             self._unbind(lay)
@@ -309,6 +310,7 @@ class DLOHandle:
             self._inflight.clear()
             self._prefetch(index, slot=0)
         slot, fut = self._inflight.pop(index)
+        self._num_acquired += 1
         p = self.platform
         t0 = time.perf_counter()
         ready = fut.result()
@@ -375,6 +377,25 @@ class DLOHandle:
         for index in range(len(self._layouts)):
             slot = self._acquire(index)
             self._release(index, slot)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._layouts)
+
+    @property
+    def num_acquired(self) -> int:
+        """Blocks acquired so far; equal on every rank at every step boundary."""
+        return self._num_acquired
+
+    def idle_until(self, num_acquired: int) -> None:
+        """Take part in gathers, without computing, until ``num_acquired`` blocks were acquired.
+
+        After a forward raised part-way, this issues the gathers it did not, so the other ranks'
+        forwards still find a partner for every block.
+        """
+        while self._num_acquired < num_acquired:
+            (index,) = self._inflight  # exactly one prefetch is in flight between blocks
+            self._release(index, self._acquire(index))
 
     def stats(self) -> dict[str, Any]:
         if self._timing_events:
