@@ -62,9 +62,11 @@ def render(
         def on_step(i: int, n: int) -> None:
             progress.update(task, completed=i, total=n, description="denoising")
 
+        pss_samples: list[int] = []
         try:
             reports = run_render(model, requests, out, dp=dp, fps=fps,
-                                 use_allgather=not rank_local, on_step=on_step)
+                                 use_allgather=not rank_local, on_step=on_step,
+                                 on_sample=pss_samples.append)
         except ValueError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from exc
@@ -76,6 +78,15 @@ def render(
         if r.out is not None:
             typer.echo(f"{r.out} ({r.num_frames} frames, thumbnail {r.thumbnail}, rank {r.rank}, "
                        f"{r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB)")
+    if pss_samples:
+        # PSS splits shared pages (the mapped checkpoint, libraries) among the ranks mapping
+        # them, so the sum counts every page once: the host memory the ranks hold together.
+        typer.echo(f"host memory, {dp} ranks together (summed PSS): peak "
+                   f"{max(pss_samples) / 1e9:.2f} GB; per rank peak RSS: "
+                   + ", ".join(f"{r.peak_rss_bytes / 1e9:.2f} GB" for r in reports)
+                   + "; per rank DLO host shard: "
+                   + ", ".join(f"{r.dlo.get('host_shard_bytes', 0) / 1e9:.2f} GB"
+                               for r in reports))
     missing = [str(output_path(out, i)) for i in range(len(requests))
                if not any(r.out == str(output_path(out, i)) for r in reports)]
     if missing:

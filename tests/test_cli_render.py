@@ -48,3 +48,26 @@ def test_render_refuses_a_size_the_model_cannot_render(tmp_path):
     assert result.exit_code == 2
     assert "multiples of 16" in result.output
     assert not (tmp_path / "a.mp4").exists()
+
+
+def test_make_checkpoint_writes_a_diffusers_model_that_kiln_render_loads(tmp_path):
+    model = tmp_path / "wan"
+    made = CliRunner().invoke(app, ["make-checkpoint", "--family", "wan", "--layers", "2",
+                                    "--width", "64", "--head-dim", "32", "--out", str(model)])
+    assert made.exit_code == 0, made.output
+    assert (model / "model_index.json").is_file()
+    assert sorted(p.name for p in (model / "transformer").iterdir()) == [
+        "config.json", "diffusion_pytorch_model.safetensors"]
+    out = tmp_path / "wan.mp4"
+    result = CliRunner().invoke(app, ["render", "--model", str(model), "--prompt", "a red ball",
+                                      "--size", "64x64", "--frames", "5", "--steps", "2",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_video(out).shape == (5, 64, 64, 3)
+
+
+def test_render_names_what_model_accepts_when_the_directory_is_not_a_model(tmp_path):
+    result = CliRunner().invoke(app, [*ARGS[:1], "--model", str(tmp_path), *ARGS[3:],
+                                      "--out", str(tmp_path / "a.mp4")])
+    assert result.exit_code == 2
+    assert "kiln-tiny" in result.output and "model_index.json" in result.output

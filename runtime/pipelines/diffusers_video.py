@@ -16,9 +16,10 @@ whose multistep state belongs to that job.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -78,7 +79,8 @@ class DiffusersVideoPipeline(VideoPipeline):
             transformers[tname] = model
         if not transformers:
             raise ValueError(f"{model_dir}: no transformer directory")
-        pipe = getattr(diffusers, name).from_pretrained(model_dir, **transformers)
+        with _quiet_loading():
+            pipe = getattr(diffusers, name).from_pretrained(model_dir, **transformers)
         pipe.set_progress_bar_config(disable=True)
         for comp in ("text_encoder", "vae"):
             getattr(pipe, comp).to(dev)
@@ -117,6 +119,29 @@ class DiffusersVideoPipeline(VideoPipeline):
         # A CPU generator, as the reference pipelines take: the same seed gives the same noise
         # whatever device renders.
         return torch.Generator("cpu").manual_seed(seed)
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """No per-component progress bars or install hints from the hub libraries while loading:
+    a render prints its own progress."""
+    import diffusers.utils.logging as dlog
+    import transformers.utils.logging as tlog
+
+    levels = dlog.get_verbosity(), tlog.get_verbosity()
+    bars = dlog.is_progress_bar_enabled(), tlog.is_progress_bar_enabled()
+    dlog.set_verbosity_error()
+    tlog.set_verbosity_error()
+    dlog.disable_progress_bar()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        dlog.set_verbosity(levels[0])
+        tlog.set_verbosity(levels[1])
+        for log, enabled in zip((dlog, tlog), bars, strict=True):
+            if enabled:
+                log.enable_progress_bar()
 
 
 def _check_frames(r: VideoRequest, temporal: int, multiple: int) -> None:
