@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
+from api.deps import KeyCache
 from api.errors import BodySizeLimit, install_error_handlers
 from api.metrics import make_registry
 from api.routes import jobs, system, videos
@@ -83,6 +84,7 @@ def create_app(
     app.state.store = store if store is not None else make_store(settings)
     app.state.registry = make_registry(session_factory, settings)
     app.state.reconcile = reconcile
+    app.state.key_cache = KeyCache(settings.api_key_cache_seconds)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(jobs.router)

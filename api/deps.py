@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -13,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from kiln.settings import Settings
 from storage.models import User
 from storage.outputs import OutputStore
-from storage.users import authenticate
+from storage.users import authenticate, hash_key
 
 
 # Coroutines, not plain functions: FastAPI would run those in the thread pool, one hop each.
@@ -58,10 +59,48 @@ def get_current_user(request: Request, session: SessionDep) -> User:
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise _unauthorized("Authorization must be 'Bearer <key>'")
-    user = authenticate(session, key.strip())
+    cache: KeyCache = request.app.state.key_cache
+    key = key.strip()
+    cached = cache.get(key)
+    if cached is not None:
+        return cached
+    user = authenticate(session, key)
     if user is None:
         raise _unauthorized("invalid or revoked API key")
+    cache.put(key, user)
     return user
+
+
+class KeyCache:
+    """Keys that authenticated in the last ``ttl_seconds``, so most requests skip the lookup
+    query. The cost: a revoked key keeps working for up to ``ttl_seconds`` (0 disables).
+
+    It returns a fresh, session-less `User` each time: sharing one ORM object between requests'
+    sessions would let one request's rollback expire it under another.
+    """
+
+    def __init__(self, ttl_seconds: float, max_entries: int = 10_000) -> None:
+        self.ttl_seconds = ttl_seconds
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[float, int, str, bool]] = {}
+
+    def get(self, key: str) -> User | None:
+        entry = self._entries.get(hash_key(key))
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        _, user_id, name, is_admin = entry
+        return User(id=user_id, name=name, is_admin=is_admin, disabled=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def put(self, key: str, user: User) -> None:
+        if self.ttl_seconds <= 0:
+            return
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()  # crude, but bounded; the next requests refill it
+        expires = time.monotonic() + self.ttl_seconds
+        self._entries[hash_key(key)] = (expires, user.id, user.name, user.is_admin)
 
 
 CurrentUser = Annotated[User, Depends(get_current_user)]

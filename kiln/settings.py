@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     # Presigned download links for S3 outputs live this long.
     url_expires_seconds: int = Field(default=3600, ge=1)
 
+    # How long the API trusts a key it has already checked (a revoked key works this long).
+    api_key_cache_seconds: float = Field(default=10.0, ge=0)
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=1, le=65535)
 

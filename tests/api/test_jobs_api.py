@@ -242,3 +242,15 @@ def test_admins_filter_by_owner_and_users_cannot(api) -> None:
     assert nobody.json()["data"] == []
     refused = api.client.get("/v1/jobs", params={"owner": "alice"}, headers=api.auth("bob"))
     assert refused.status_code == 403 and "admins" in refused.json()["detail"]
+
+
+def test_revoked_keys_stop_working_once_the_key_cache_expires(api) -> None:
+    from storage.users import revoke_api_key
+
+    assert api.client.get("/v1/jobs", headers=api.auth("bob")).status_code == 200
+    with api.session() as s:
+        assert revoke_api_key(s, api.keys["bob"][5:17])
+    api.app.state.key_cache.clear()  # what the TTL does with time
+    r = api.client.get("/v1/jobs", headers=api.auth("bob"))
+    assert r.status_code == 401 and r.json()["detail"] == "invalid or revoked API key"
+    assert api.client.get("/v1/jobs", headers=api.auth("alice")).status_code == 200
