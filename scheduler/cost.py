@@ -1,0 +1,120 @@
+"""What one denoising step of a job costs: its video tokens, and seconds per step from history.
+
+The ranks of a worker group step in lock-step on the weight gathers, so a step lasts as long as
+its slowest rank. The batcher therefore groups jobs of similar cost per step, and the cost of a
+step is driven by how many tokens the transformer sees per forward:
+
+    latent frames = (num_frames - 1) // 4 + 1      (causal video VAE: the first frame alone)
+    latent size   = ceil(height / 8) x ceil(width / 8)
+    tokens        = latent frames / 1 * latent height / 2 * latent width / 2   (patch 1x2x2)
+
+These defaults (VAE compression 4x8x8 for frames x height x width, patch 1x2x2) are kiln-tiny's
+real geometry (``runtime.models.tiny.TinyConfig``: ``temporal_compression=4``,
+``spatial_compression=8``, ``patch_size=2``) and Wan2.1's; CogVideoX 1.0 uses the same. A model
+with other numbers passes its own ``vae_scale`` / ``patch``.
+
+Tokens are a proxy; seconds are what the lock-step pays. `CostModel` fits, per model,
+``seconds_per_step = overhead + per_token * tokens`` by exponentially decayed least squares over
+finished jobs (`observe`), and answers `step_seconds` for a job not yet run. Until a model has
+history it assumes ``DEFAULT_SECONDS_PER_TOKEN`` and no overhead, which keeps the ordering of
+jobs by tokens, all that grouping needs on day one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+# Frames x height x width compressed by the VAE, and the transformer's patch (frames, h, w).
+DEFAULT_VAE_SCALE = (4, 8, 8)
+DEFAULT_PATCH = (1, 2, 2)
+# A guess used until a model has history; only the ratio between jobs matters then.
+DEFAULT_SECONDS_PER_TOKEN = 1e-5
+# Each finished job weighs this much less than the one after it: the fit follows the hardware
+# (a driver upgrade, another model revision) within a few hundred jobs.
+DEFAULT_DECAY = 0.99
+
+
+def latent_shape(width: int, height: int, num_frames: int,
+                 vae_scale: tuple[int, int, int] = DEFAULT_VAE_SCALE) -> tuple[int, int, int]:
+    """(frames, height, width) of the latent video: a causal VAE keeps the first frame alone."""
+    if width <= 0 or height <= 0 or num_frames <= 0:
+        raise ValueError(f"size and frames must be positive, got {width}x{height}, "
+                         f"{num_frames} frames")
+    st, sh, sw = vae_scale
+    return (num_frames - 1) // st + 1, math.ceil(height / sh), math.ceil(width / sw)
+
+
+def tokens(width: int, height: int, num_frames: int, *,
+           patch: tuple[int, int, int] = DEFAULT_PATCH,
+           vae_scale: tuple[int, int, int] = DEFAULT_VAE_SCALE) -> int:
+    """Video tokens one transformer forward sees (e.g. 64x64, 9 frames on kiln-tiny: 3x4x4=48)."""
+    f, h, w = latent_shape(width, height, num_frames, vae_scale)
+    pt, ph, pw = patch
+    return math.ceil(f / pt) * math.ceil(h / ph) * math.ceil(w / pw)
+
+
+@dataclass(slots=True)
+class _Fit:
+    """Decayed sums for the weighted least-squares line seconds = a + b * tokens."""
+
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, x: float, y: float, decay: float) -> None:
+        self.w = self.w * decay + 1.0
+        self.x = self.x * decay + x
+        self.y = self.y * decay + y
+        self.xx = self.xx * decay + x * x
+        self.xy = self.xy * decay + x * y
+
+    def line(self) -> tuple[float, float] | None:
+        """(overhead, per_token), or None without history."""
+        if self.w <= 0 or self.x <= 0:
+            return None
+        var = self.w * self.xx - self.x * self.x
+        # Too little spread in job sizes to tell overhead from per-token cost: proportional fit.
+        if var <= 1e-9 * self.w * self.xx:
+            return 0.0, self.y / self.x
+        b = (self.w * self.xy - self.x * self.y) / var
+        a = (self.y - b * self.x) / self.w
+        if b <= 0:  # noise: bigger jobs never step faster
+            return 0.0, self.y / self.x
+        if a < 0:  # a line through the origin fits better than a negative overhead
+            return 0.0, self.xy / self.xx
+        return a, b
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Seconds per denoising step, per model, learned from finished jobs."""
+
+    decay: float = DEFAULT_DECAY
+    default_seconds_per_token: float = DEFAULT_SECONDS_PER_TOKEN
+    _fits: dict[str, _Fit] = field(default_factory=dict)
+
+    def observe(self, model: str, num_tokens: int, seconds_per_step: float) -> None:
+        if num_tokens <= 0 or not math.isfinite(seconds_per_step) or seconds_per_step <= 0:
+            return  # a cancelled or broken run says nothing about cost
+        self._fits.setdefault(model, _Fit()).add(float(num_tokens), seconds_per_step, self.decay)
+
+    def step_seconds(self, model: str, num_tokens: int) -> float:
+        fit = self._fits.get(model)
+        line = fit.line() if fit is not None else None
+        if line is None:
+            return self.default_seconds_per_token * num_tokens
+        a, b = line
+        return a + b * num_tokens
+
+    def to_state(self) -> dict[str, dict[str, float]]:
+        """Plain numbers per model, for storing between processes (see `from_state`)."""
+        return {m: asdict(f) for m, f in self._fits.items()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, dict[str, float]], **kwargs: float) -> CostModel:
+        model = cls(**kwargs)
+        model._fits = {m: _Fit(**{k: float(v) for k, v in f.items()}) for m, f in state.items()}
+        return model

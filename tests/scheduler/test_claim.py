@@ -1,0 +1,156 @@
+"""The claim protocol on SQLite and PostgreSQL with real Redis: plans become claims atomically."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+import redis
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from scheduler import claim as sched
+from scheduler.policy import RunningJob
+from storage import jobs, ready
+from storage.jobs import JobSpec
+from storage.models import Job, JobClass, JobState, User
+from storage.users import get_or_create_user
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def user(session: Session, name: str) -> User:
+    u = get_or_create_user(session, name)
+    session.commit()
+    return u
+
+
+def submit(session: Session, r: redis.Redis, prefix: str, owner: User, *, now: datetime = T0,
+           **overrides: object) -> Job:
+    fields: dict[str, object] = dict(
+        model="kiln-tiny", prompt="a red circle", width=64, height=64, num_frames=9, fps=8,
+        num_inference_steps=4, guidance_scale=5.0, seed=1,
+    )
+    fields.update(overrides)
+    job = jobs.create_job(session, owner, JobSpec(**fields), request_hash="h",  # type: ignore[arg-type]
+                          now=now).job
+    ready.add(r, prefix, [job])
+    return job
+
+
+def claim(session: Session, r: redis.Redis, prefix: str, ranks: list[int], *, group: str = "g1",
+          model: str = "kiln-tiny", now: datetime = T0 + timedelta(seconds=1),
+          running: list[RunningJob] | None = None) -> list[tuple[int, jobs.Claim]]:
+    return sched.claim_for_group(session, r, prefix=prefix, group_id=group, model=model,
+                                 free_ranks=ranks, running=running or [], lease_seconds=60,
+                                 now=now)
+
+
+def test_claims_one_job_per_free_rank_in_priority_order_and_clears_their_ready_entries(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    low = submit(session, redis_client, redis_prefix, alice, priority=1)
+    batch = submit(session, redis_client, redis_prefix, alice, job_class=JobClass.BATCH,
+                   priority=9)
+    high = submit(session, redis_client, redis_prefix, alice, priority=8)
+    got = claim(session, redis_client, redis_prefix, [0, 1])
+    assert [(rank, c.job.id) for rank, c in got] == [(0, high.id), (1, low.id)]
+    rows = {j.id: j for j in session.scalars(select(Job))}
+    assert rows[high.id].state == "running" and rows[high.id].worker_group_id == "g1"
+    assert rows[high.id].rank == 0 and rows[low.id].rank == 1
+    assert rows[batch.id].state == "queued"
+    assert ready.position(redis_client, redis_prefix, high) is None
+    assert ready.position(redis_client, redis_prefix, batch) == 0
+
+
+def test_only_jobs_of_the_groups_model_are_claimed(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    big = submit(session, redis_client, redis_prefix, alice, model="kiln-big")
+    assert claim(session, redis_client, redis_prefix, [0, 1]) == []
+    got = claim(session, redis_client, redis_prefix, [0, 1], model="kiln-big")
+    assert [(rank, c.job.id) for rank, c in got] == [(0, big.id)]
+
+
+def test_a_job_past_its_deadline_ends_expired_with_the_reason_and_is_not_claimed(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    late = submit(session, redis_client, redis_prefix, alice, deadline=T0 + timedelta(seconds=30))
+    ok = submit(session, redis_client, redis_prefix, alice)
+    got = claim(session, redis_client, redis_prefix, [0, 1], now=T0 + timedelta(seconds=31))
+    assert [c.job.id for _, c in got] == [ok.id]
+    session.expire_all()
+    row = session.get(Job, late.id)
+    assert row is not None and row.state == JobState.EXPIRED
+    assert row.error_code == "expired" and "deadline passed" in (row.error or "")
+    assert [e.kind for e in jobs.job_events(session, late.id)] == ["created", "expired"]
+    assert ready.position(redis_client, redis_prefix, late) is None
+
+
+def test_a_job_waits_for_its_not_before(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    later = submit(session, redis_client, redis_prefix, alice,
+                   not_before=T0 + timedelta(hours=1))
+    assert claim(session, redis_client, redis_prefix, [0]) == []
+    got = claim(session, redis_client, redis_prefix, [0], now=T0 + timedelta(hours=1))
+    assert [c.job.id for _, c in got] == [later.id]
+
+
+def test_a_stale_entry_is_dropped_and_its_rank_goes_to_the_next_job(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    first = submit(session, redis_client, redis_prefix, alice, priority=9)
+    second = submit(session, redis_client, redis_prefix, alice, priority=1)
+    # Claimed behind the index's back (another group that has not cleaned up yet).
+    assert jobs.claim_job(session, first.id, worker_group_id="other", lease_seconds=60,
+                          now=T0) is not None
+    got = claim(session, redis_client, redis_prefix, [0])
+    assert [c.job.id for _, c in got] == [second.id]
+    assert redis_client.zcard(ready.ready_key(redis_prefix, "interactive", 9)) == 0
+
+
+def test_two_groups_claiming_at_once_never_get_the_same_job(
+    db: object, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    with db.session() as s:  # type: ignore[attr-defined]
+        owners = [user(s, f"u{i}") for i in range(3)]
+        ids = {submit(s, redis_client, redis_prefix, owners[i % 3]).id for i in range(24)}
+    got: dict[str, list[str]] = {"g1": [], "g2": []}
+
+    def work(group: str) -> None:
+        with db.session() as s:  # type: ignore[attr-defined]
+            while True:
+                claims = claim(s, redis_client, redis_prefix, [0, 1], group=group)
+                if not claims:
+                    return
+                got[group].extend(c.job.id for _, c in claims)
+
+    threads = [threading.Thread(target=work, args=(g,)) for g in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not set(got["g1"]) & set(got["g2"])
+    assert sorted(got["g1"] + got["g2"]) == sorted(ids)
+
+
+def test_record_result_teaches_the_cost_model_and_corrects_the_users_charge(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    submit(session, redis_client, redis_prefix, alice, num_inference_steps=4)
+    [(_, c)] = claim(session, redis_client, redis_prefix, [0])
+    served = redis_client.hget(sched.served_key(redis_prefix, "interactive"), str(alice.id))
+    assert served is not None and float(served) > 0
+    sched.record_result(redis_client, prefix=redis_prefix, job_id=c.job.id, model="kiln-tiny",
+                        num_tokens=48, num_steps=4, render_seconds=2.0)
+    served = redis_client.hget(sched.served_key(redis_prefix, "interactive"), str(alice.id))
+    assert served is not None and abs(float(served) - 2.0) < 1e-9
+    costs = sched.load_costs(redis_client, redis_prefix)
+    assert abs(costs.step_seconds("kiln-tiny", 48) - 0.5) < 1e-9
