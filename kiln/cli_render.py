@@ -22,6 +22,10 @@ def parse_size(size: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"
+
+
 @app.command()
 def render(
     prompt: Annotated[list[str], typer.Option(help="Prompt; repeat it for one video per rank.")],
@@ -77,16 +81,15 @@ def render(
     for r in reports:
         if r.out is not None:
             typer.echo(f"{r.out} ({r.num_frames} frames, thumbnail {r.thumbnail}, rank {r.rank}, "
-                       f"{r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB)")
+                       f"{r.seconds:.1f} s, peak RSS {_size(r.peak_rss_bytes)})")
     if pss_samples:
         # PSS splits shared pages (the mapped checkpoint, libraries) among the ranks mapping
         # them, so the sum counts every page once: the host memory the ranks hold together.
         typer.echo(f"host memory, {dp} ranks together (summed PSS): peak "
-                   f"{max(pss_samples) / 1e9:.2f} GB; per rank peak RSS: "
-                   + ", ".join(f"{r.peak_rss_bytes / 1e9:.2f} GB" for r in reports)
+                   f"{_size(max(pss_samples))}; per rank peak RSS: "
+                   + ", ".join(_size(r.peak_rss_bytes) for r in reports)
                    + "; per rank DLO host shard: "
-                   + ", ".join(f"{r.dlo.get('host_shard_bytes', 0) / 1e9:.2f} GB"
-                               for r in reports))
+                   + ", ".join(_size(r.dlo.get("host_shard_bytes", 0)) for r in reports))
     missing = [str(output_path(out, i)) for i in range(len(requests))
                if not any(r.out == str(output_path(out, i)) for r in reports)]
     if missing:

@@ -4,10 +4,11 @@ Every pipeline offers
 
 - ``state = pipe.prepare(request)``: text encoding, initial noise, the schedule. Local work only:
   no collective and no forward of a DLO-streamed transformer.
-- ``pipe.step(state)``: one denoising step. It runs **exactly** ``pipe.forwards_per_step``
-  forwards of every streamed transformer (``pipe.handles``); a forward the job does not need
-  (no classifier-free guidance, the other expert of a two-transformer model) is replaced by
-  ``handle.idle_forward()``, which takes part in the same block gathers without computing.
+- ``pipe.step(state)``: one denoising step. Every streamed transformer (``pipe.handles``)
+  acquires **exactly** ``pipe.forwards_per_step`` forwards' worth of blocks: the gathers of a
+  forward the job does not need (no classifier-free guidance, the other expert of a
+  two-transformer model), or that a forward which raised part-way never reached, are issued
+  without computing (``handle.idle_until``) before ``step`` returns or re-raises.
 - ``pipe.idle_step()``: the same gathers for a rank that has no job this step.
 - ``pipe.decode(state)``: float frames ``[N, H, W, 3]`` in [0, 1] (request-tiled, see
   ``runtime.tiling``).
@@ -82,8 +83,9 @@ class VideoPipeline(abc.ABC):
     def prepare(self, request: VideoRequest) -> DenoiseState: ...
 
     @abc.abstractmethod
-    def _denoise(self, state: DenoiseState) -> Sequence[int]:
-        """Advance ``state.latents`` by one step; return the forwards run per handle."""
+    def _denoise(self, state: DenoiseState) -> None:
+        """Advance ``state.latents`` by one step, with at most ``forwards_per_step`` forwards
+        of each streamed transformer."""
 
     @abc.abstractmethod
     def decode(self, state: DenoiseState) -> torch.Tensor: ...
@@ -91,13 +93,20 @@ class VideoPipeline(abc.ABC):
     def step(self, state: DenoiseState) -> None:
         if state.done:
             raise ValueError(f"the job has run all its {state.num_steps} steps")
-        used = list(self._denoise(state))
-        assert len(used) == len(self.handles), (used, self.handles)
-        for handle, n in zip(self.handles, used, strict=True):
-            assert n <= self.forwards_per_step, f"{n} forwards > {self.forwards_per_step}"
-            if handle is not None:
-                for _ in range(self.forwards_per_step - n):
-                    handle.idle_forward()
+        targets = [None if h is None else h.num_acquired + self.forwards_per_step * h.num_blocks
+                   for h in self.handles]
+        try:
+            self._denoise(state)
+        finally:
+            # The gathers this job did not need (no CFG, the other expert), or that a forward
+            # which raised part-way never issued: every other rank is waiting for them.
+            for handle, target in zip(self.handles, targets, strict=True):
+                if handle is not None:
+                    handle.idle_until(target)
+        for handle, target in zip(self.handles, targets, strict=True):
+            if handle is not None and handle.num_acquired != target:
+                raise AssertionError(f"{type(self).__name__} ran more than forwards_per_step="
+                                     f"{self.forwards_per_step} forwards in one step")
         state.step_index += 1
 
     def idle_step(self) -> None:

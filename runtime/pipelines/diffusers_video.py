@@ -185,7 +185,7 @@ class WanVideoPipeline(DiffusersVideoPipeline):
         })
 
     @torch.no_grad()
-    def _denoise(self, state: DenoiseState) -> Sequence[int]:
+    def _denoise(self, state: DenoiseState) -> None:
         x, scheduler = state.extra, state.extra["scheduler"]
         t = scheduler.timesteps[state.step_index]
         # Wan2.2: the high-noise expert above the boundary, the low-noise one below.
@@ -202,16 +202,11 @@ class WanVideoPipeline(DiffusersVideoPipeline):
             timestep = t.expand(latents.shape[0])
         noise = model(hidden_states=model_input, timestep=timestep,
                       encoder_hidden_states=x["cond"], return_dict=False)[0]
-        forwards = 1
         if x["uncond"] is not None:
             noise_uncond = model(hidden_states=model_input, timestep=timestep,
                                  encoder_hidden_states=x["uncond"], return_dict=False)[0]
             noise = noise_uncond + state.request.guidance_scale * (noise - noise_uncond)
-            forwards = 2
         state.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
-        used = [0] * len(self.handles)
-        used[expert] = forwards
-        return used
 
     def _decode_batch(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
@@ -270,7 +265,7 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
         })
 
     @torch.no_grad()
-    def _denoise(self, state: DenoiseState) -> Sequence[int]:
+    def _denoise(self, state: DenoiseState) -> None:
         x, scheduler, i = state.extra, state.extra["scheduler"], state.step_index
         timesteps = scheduler.timesteps
         t = timesteps[i]
@@ -291,7 +286,6 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
         else:
             latents = scheduler.step(noise, t, latents, **x["step_kwargs"], return_dict=False)[0]
         state.latents = latents.to(x["embeds"].dtype)
-        return [1]
 
     def _final_latents(self, state: DenoiseState) -> torch.Tensor:
         return state.latents[:, state.extra["extra_frames"]:]

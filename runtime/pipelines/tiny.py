@@ -6,7 +6,6 @@ a request with ``guidance_scale <= 1`` runs one and idles the other (see ``base`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -71,20 +70,17 @@ class TinyPipeline(VideoPipeline):
         )
 
     @torch.no_grad()
-    def _denoise(self, state: DenoiseState) -> Sequence[int]:
+    def _denoise(self, state: DenoiseState) -> None:
         i = state.step_index
         sigma, sigma_next = state.extra["sigmas"][i], state.extra["sigmas"][i + 1]
         x = state.latents
         t = torch.full((1,), float(sigma) * 1000.0, device=self.device)
         velocity = self.model.transformer(x, t, state.extra["cond"])
-        forwards = 1
         g = state.request.guidance_scale
         if g > 1.0:
             uncond = self.model.transformer(x, t, state.extra["uncond"])
             velocity = uncond + g * (velocity - uncond)
-            forwards = 2
         state.latents = x + (sigma_next - sigma) * velocity
-        return [forwards]
 
     @torch.no_grad()
     def decode(self, state: DenoiseState) -> torch.Tensor:

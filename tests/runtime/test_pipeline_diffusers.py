@@ -81,29 +81,40 @@ def test_two_ranks_with_allgather_equal_the_diffusers_pipeline(model_dirs, name)
     np.testing.assert_array_equal(frames[0], ref)
 
 
-def test_without_guidance_a_wan_step_idles_the_unconditional_forward(model_dirs):
-    pipe = DiffusersVideoPipeline.load(model_dirs["wan"])
-    idles = []
-    pipe.handles[0].idle_forward = lambda: idles.append(1)
+def _step_counts(pipe, request):
+    """(forwards computed, blocks acquired) per transformer, for one step."""
+    forwards = [0] * len(pipe.transformers)
+    hooks = [t.register_forward_pre_hook(lambda *_, i=i: forwards.__setitem__(i, forwards[i] + 1))
+             for i, t in enumerate(pipe.transformers)]
     try:
-        state = pipe.prepare(VideoRequest(prompt="a cat", guidance_scale=1.0, num_steps=2))
+        state = pipe.prepare(request)
+        before = [h.num_acquired for h in pipe.handles]
         pipe.step(state)
     finally:
-        pipe.close()
-    assert len(idles) == 1 and pipe.forwards_per_step == 2
+        for h in hooks:
+            h.remove()
+    return forwards, [h.num_acquired - b for h, b in zip(pipe.handles, before, strict=True)]
 
 
-def test_wan22_steps_run_both_experts_gathers_every_step(model_dirs):
-    pipe = DiffusersVideoPipeline.load(model_dirs["wan22"])
-    calls = {0: [], 1: []}
-    for i, h in enumerate(pipe.handles):
-        h.idle_forward = lambda i=i: calls[i].append(1)
+def test_without_guidance_a_wan_step_still_gathers_two_forwards(model_dirs):
+    pipe = DiffusersVideoPipeline.load(model_dirs["wan"])
     try:
-        state = pipe.prepare(REQUEST)
-        pipe.step(state)  # t = 999 > boundary: the high-noise expert computes, the other idles
+        forwards, acquired = _step_counts(pipe, VideoRequest(prompt="a cat", guidance_scale=1.0))
+        assert forwards == [1]
+        assert acquired == [2 * pipe.handles[0].num_blocks]
     finally:
         pipe.close()
-    assert (len(calls[0]), len(calls[1])) == (0, 2)
+
+
+def test_wan22_steps_gather_both_experts_every_step(model_dirs):
+    pipe = DiffusersVideoPipeline.load(model_dirs["wan22"])
+    try:
+        # t = 999 is above the boundary: the high-noise expert computes, the other only gathers.
+        forwards, acquired = _step_counts(pipe, REQUEST)
+        assert forwards == [2, 0]
+        assert acquired == [2 * h.num_blocks for h in pipe.handles]
+    finally:
+        pipe.close()
 
 
 def test_unsupported_sizes_are_refused_with_the_rule(model_dirs):

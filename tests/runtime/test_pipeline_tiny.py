@@ -39,43 +39,58 @@ def test_same_seed_same_frames_and_another_seed_or_prompt_differs(dlo_pipe):
     assert not torch.equal(a, dlo_pipe.generate(other_prompt))
 
 
-def _count(pipe, monkeypatch):
-    counts = {"forward": 0, "idle": 0}
-    handle = pipe.handles[0]
-    real_idle = handle.idle_forward
-
-    def idle():
-        counts["idle"] += 1
-        real_idle()
-
-    monkeypatch.setattr(handle, "idle_forward", idle)
+def _count_forwards(pipe):
+    counts = {"forward": 0}
     hook = pipe.model.transformer.register_forward_pre_hook(
         lambda *_: counts.__setitem__("forward", counts["forward"] + 1))
     return counts, hook
 
 
-@pytest.mark.parametrize(("guidance", "forwards", "idles"), [(5.0, 2, 0), (1.0, 1, 1)])
-def test_every_step_runs_forwards_per_step_forwards_idling_the_ones_it_skips(
-        dlo_pipe, monkeypatch, guidance, forwards, idles):
-    counts, hook = _count(dlo_pipe, monkeypatch)
+@pytest.mark.parametrize(("guidance", "forwards"), [(5.0, 2), (1.0, 1)])
+def test_every_step_gathers_forwards_per_step_forwards_whatever_it_computes(
+        dlo_pipe, guidance, forwards):
+    handle = dlo_pipe.handles[0]
+    counts, hook = _count_forwards(dlo_pipe)
     try:
         state = dlo_pipe.prepare(VideoRequest(prompt="a cat", guidance_scale=guidance,
                                               num_steps=2))
-        assert counts == {"forward": 0, "idle": 0}  # prepare runs no streamed forward
+        before = handle.num_acquired
+        assert counts["forward"] == 0  # prepare runs no streamed forward
         dlo_pipe.step(state)
-        assert counts == {"forward": forwards, "idle": idles}
-        assert forwards + idles == dlo_pipe.forwards_per_step
     finally:
         hook.remove()
+    assert counts["forward"] == forwards
+    assert handle.num_acquired - before == dlo_pipe.forwards_per_step * handle.num_blocks
 
 
-def test_idle_step_takes_part_in_forwards_per_step_gathers(dlo_pipe, monkeypatch):
-    counts, hook = _count(dlo_pipe, monkeypatch)
+def test_idle_step_takes_part_in_forwards_per_step_gathers(dlo_pipe):
+    handle = dlo_pipe.handles[0]
+    before = handle.num_acquired
+    counts, hook = _count_forwards(dlo_pipe)
     try:
         dlo_pipe.idle_step()
     finally:
         hook.remove()
-    assert counts == {"forward": 0, "idle": dlo_pipe.forwards_per_step}
+    assert counts["forward"] == 0
+    assert handle.num_acquired - before == dlo_pipe.forwards_per_step * handle.num_blocks
+
+
+def test_a_forward_that_raises_still_completes_the_steps_gathers(dlo_pipe, monkeypatch):
+    handle = dlo_pipe.handles[0]
+    block = dlo_pipe.model.transformer.blocks[2]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("bad activations")
+
+    state = dlo_pipe.prepare(VideoRequest(prompt="a cat", num_steps=2))
+    before = handle.num_acquired
+    monkeypatch.setattr(block, "forward", broken)
+    with pytest.raises(RuntimeError, match="bad activations"):
+        dlo_pipe.step(state)
+    assert handle.num_acquired - before == dlo_pipe.forwards_per_step * handle.num_blocks
+    monkeypatch.undo()
+    dlo_pipe.step(state)  # the handle is usable again, in step with the other ranks
+    assert state.step_index == 1
 
 
 def test_stepping_a_finished_job_is_refused(dlo_pipe):
