@@ -1,0 +1,30 @@
+"""``kiln worker``: start a persistent worker group."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kiln.cli import app
+
+
+@app.command()
+def worker(
+    dp: Annotated[int, typer.Option(help="Ranks in the group; each renders its own job.")] = 1,
+    model: Annotated[str, typer.Option(help="kiln-tiny or a diffusers model directory.")] = (
+        "kiln-tiny"),
+    device: Annotated[str, typer.Option(help="cpu, cuda or npu.")] = "cpu",
+    allgather: Annotated[bool, typer.Option(
+        help="Shard the block weights across the ranks (--no-allgather: rank-local).")] = True,
+) -> None:
+    """Load the model once on --dp ranks, then render queued jobs until stopped (Ctrl-C)."""
+    from kiln.settings import get_settings
+    from runtime.worker import WorkerConfig, run_worker
+
+    if device not in ("cpu", "cuda", "npu"):
+        raise typer.BadParameter(f"--device must be cpu, cuda or npu, got {device!r}")
+    if dp < 1:
+        raise typer.BadParameter(f"--dp must be >= 1, got {dp}")
+    config = WorkerConfig(dp=dp, model=model, device=device, use_allgather=allgather)
+    raise typer.Exit(run_worker(get_settings(), config))

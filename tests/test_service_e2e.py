@@ -1,0 +1,162 @@
+"""The whole path: HTTP submissions -> database + Redis -> a dp=2 worker group -> videos.
+
+Real servers only: the API on a real socket (uvicorn), the real Redis, the real database on both
+backends, and ``kiln worker --dp 2`` in its own process group of CPU ranks sharing the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import av
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from multirank import free_port
+from sqlalchemy import select
+
+from api.app import create_app
+from kiln.settings import Settings
+from runtime.pipelines.base import VideoRequest
+from runtime.render import frames_to_uint8, load_pipeline
+from storage.models import Job
+from storage.users import create_api_key
+from storage.video import write_outputs
+
+KILN = str(Path(sys.executable).with_name("kiln"))
+JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9,
+       "num_inference_steps": 4, "fps": 8}
+
+
+def _decoded(path: Path) -> np.ndarray:
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+class Server:
+    """The API app served by uvicorn on a free port, in a thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the API did not start")
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def service(db: Any, redis_client: Any, redis_prefix: str,
+            tmp_path: Path) -> Iterator[tuple[str, dict[str, str], Settings, Any]]:
+    env = {"KILN_DATABASE_URL": db.url, "REDIS_URL": "redis://127.0.0.1:6379/0",
+           "KILN_REDIS_PREFIX": redis_prefix, "KILN_OUTPUT_DIR": str(tmp_path / "outputs")}
+    settings = Settings(_env_file=None, database_url=env["KILN_DATABASE_URL"],  # type: ignore[call-arg]
+                        redis_url=env["REDIS_URL"], redis_prefix=redis_prefix,
+                        output_dir=tmp_path / "outputs")
+    with db.session() as s:
+        keys = {"alice": create_api_key(s, "alice").key, "bob": create_api_key(s, "bob").key}
+    worker = subprocess.Popen([KILN, "worker", "--dp", "2"], env={**os.environ, **env},
+                              start_new_session=True)
+    try:
+        # The test's own engine and client: closed by their fixtures, not left to the collector.
+        app = create_app(settings, engine=db.engine, redis=redis_client)
+        with Server(app) as url:
+            yield url, keys, settings, db
+    finally:
+        os.killpg(worker.pid, signal.SIGINT)  # a graceful stop: running jobs finish or requeue
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+
+
+def test_six_jobs_from_two_users_render_on_both_ranks_and_match_kiln_render(
+        service: Any, tmp_path: Path) -> None:
+    url, keys, settings, db = service
+    specs = [("alice" if i % 2 else "bob", {**JOB, "prompt": f"shape number {i}", "seed": 100 + i})
+             for i in range(6)]
+
+    def submit(spec: tuple[str, dict[str, Any]]) -> tuple[str, str]:
+        who, body = spec
+        r = httpx.post(f"{url}/v1/jobs", json=body,
+                       headers={"Authorization": f"Bearer {keys[who]}"}, timeout=30)
+        assert r.status_code == 201, r.text
+        return who, r.json()["id"]
+
+    with ThreadPoolExecutor(max_workers=6) as pool:  # all six at once
+        submitted = list(pool.map(submit, specs))
+
+    seen_states: dict[str, set[str]] = {job_id: set() for _, job_id in submitted}
+    deadline = time.monotonic() + 240
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while True:
+            done = 0
+            for who, job_id in submitted:
+                r = client.get(f"/v1/jobs/{job_id}",
+                               headers={"Authorization": f"Bearer {keys[who]}"})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                seen_states[job_id].add(body["status"])
+                assert body["status"] not in ("failed", "dead", "cancelled"), body
+                done += body["status"] == "succeeded"
+            if done == len(submitted):
+                break
+            assert time.monotonic() < deadline, f"not all jobs finished: {seen_states}"
+            time.sleep(0.2)
+
+        # Neither user sees the other's jobs.
+        for who, other in (("alice", "bob"), ("bob", "alice")):
+            mine = {j for w, j in submitted if w == who}
+            listed = client.get("/v1/jobs", headers={"Authorization": f"Bearer {keys[who]}"})
+            assert {j["id"] for j in listed.json()["data"]} == mine
+            for w, job_id in submitted:
+                if w == other:
+                    r = client.get(f"/v1/jobs/{job_id}",
+                                   headers={"Authorization": f"Bearer {keys[who]}"})
+                    assert r.status_code == 404
+
+        # Each video equals what `kiln render` makes for the same request and seed.
+        pipe = load_pipeline("kiln-tiny")
+        try:
+            for (who, job_id), (_, body) in zip(submitted, specs, strict=True):
+                r = client.get(f"/v1/jobs/{job_id}/video",
+                               headers={"Authorization": f"Bearer {keys[who]}"})
+                assert r.status_code == 200
+                served = tmp_path / f"{job_id}.mp4"
+                served.write_bytes(r.content)
+                request = VideoRequest(prompt=body["prompt"], width=64, height=64, num_frames=9,
+                                       num_steps=4, seed=body["seed"])
+                frames = frames_to_uint8(pipe.generate(request)).numpy()
+                local, _ = write_outputs(frames, tmp_path / f"local-{job_id}.mp4", fps=8)
+                assert np.array_equal(_decoded(served), _decoded(Path(local))), job_id
+                assert _decoded(served).shape == (9, 64, 64, 3)
+        finally:
+            pipe.close()
+
+    with db.session() as s:
+        ranks = {s.scalar(select(Job.rank).where(Job.id == job_id)) for _, job_id in submitted}
+    assert ranks == {0, 1}, "both ranks rendered jobs"
+    assert all("running" in states or "succeeded" in states for states in seen_states.values())
