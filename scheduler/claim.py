@@ -1,56 +1,52 @@
 """The claim protocol: make a `Plan` real against Redis and the database, atomically per job.
 
 A worker group with free ranks calls `claim_for_group` at a step boundary. It reads a bounded
-set of candidates from the Redis ready index, lets a `scheduler.policy.Policy` choose, and claims
-every chosen job with `storage.jobs.claim_job`: one conditional UPDATE (queued -> running with a
-fresh attempt token) committed with its event. Two groups may choose the same job; the database
-lets exactly one of them have it, and the loser drops the job and offers the rank to the next
-candidate. A job whose deadline has passed is ended as ``expired`` on the way, with the reason.
+set of candidates from the batcher's Redis index (`scheduler.index`: the oldest jobs of the few
+user queues that can win, never the whole queue), lets a `scheduler.policy.Policy` choose, and
+claims every chosen job with `storage.jobs.claim_job`: one conditional UPDATE (queued -> running
+with a fresh attempt token) committed with its event. Two groups may choose the same job; the
+database lets exactly one of them have it, and the loser drops the job and offers the rank to
+the next candidate. A job whose deadline has passed is ended as ``expired`` on the way, with the
+reason. Every job chosen leaves both Redis indexes, whatever the outcome of its claim.
 
-Redis keys this module owns (``P`` is ``Settings.redis_prefix``), next to the ready index of
-``storage.ready``:
-
-- ``P + "sched:served:{class}"``: hash, user id -> service in estimated render seconds (fairness).
-- ``P + "sched:charge:{job id}"``: what a started job was charged, until `record_result`
-  replaces it by its real cost (expires after ``CHARGE_TTL_SECONDS`` if no result ever comes).
-- ``P + "sched:cost"``: the learned `CostModel` as JSON.
+Besides `scheduler.index`'s keys this module keeps ``P + "sched:cost"``, the learned
+`CostModel` as JSON, and charges each started job to its user (``P sched:served:{class}``) until
+`record_result` replaces the estimate by the real render seconds.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
 
 from redis import Redis, WatchError
-from sqlalchemy import select, update
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from scheduler import index
 from scheduler.cost import CostModel, tokens
-from scheduler.policy import JobResult, Policy, PolicyConfig, QueuedJob, RunningJob
+from scheduler.policy import (
+    TOP_LEVEL,
+    JobResult,
+    Policy,
+    PolicyConfig,
+    QueuedJob,
+    RunningJob,
+    level,
+)
 from storage.jobs import Claim, claim_job
 from storage.models import Job, JobEvent, JobState, utcnow
-from storage.ready import ready_key, ready_keys
+from storage.ready import ready_key
 
-# Entries read from the head of each ready key per call: bounds the work of one claim.
-HEAD = 64
 # A claim that loses a race frees its rank for another candidate, a few times at most.
 MAX_ROUNDS = 3
+# User queues read per call beyond one per free rank: slack for queues whose head job turns
+# out stale or expired.
+EXTRA_QUEUES = 2
 CHARGE_TTL_SECONDS = 7 * 24 * 3600
 EXPIRED_ERROR = "its deadline passed before it could start"
-
-_COLUMNS = (Job.id, Job.owner_id, Job.model, Job.class_, Job.priority, Job.width, Job.height,
-            Job.num_frames, Job.num_inference_steps, Job.created_at, Job.not_before,
-            Job.deadline, Job.state)
-
-
-def served_key(prefix: str, job_class: str) -> str:
-    return f"{prefix}sched:served:{job_class}"
-
-
-def charge_key(prefix: str, job_id: str) -> str:
-    return f"{prefix}sched:charge:{job_id}"
 
 
 def cost_key(prefix: str) -> str:
@@ -93,9 +89,12 @@ def claim_for_group(
     deadline has passed are moved to `expired` on the way. Never returns a job another group
     claimed."""
     now = now or utcnow()
+    config = config or PolicyConfig()
     ranks = sorted(set(free_ranks))
     if not ranks:
         return []
+    index.ensure_built(session, redis, prefix)
+    index.ingest(session, redis, prefix)
     costs = load_costs(redis, prefix)
     claimed: dict[int, Claim] = {}
     busy = list(running)
@@ -103,91 +102,74 @@ def claim_for_group(
         want = [r for r in ranks if r not in claimed]
         if not want:
             break
-        policy, rows = _candidates(session, redis, prefix, model, now, costs, config)
+        policy, loaded = candidates(redis, prefix, model, now.timestamp(), len(want), costs,
+                                    config)
         plan = policy.schedule(want, model=model, running=busy, now=now.timestamp())
+        done = list(plan.expired)
         for job_id in plan.expired:
-            row = rows[job_id]
             expire_job(session, job_id, now=now)
-            redis.zrem(ready_key(prefix, row.class_, row.priority), job_id)
-        if not plan.assignments:
-            break
         for rank, job_id in plan.assignments.items():
-            row = rows[job_id]
+            job = loaded[job_id]
             claim = claim_job(session, job_id, worker_group_id=group_id, rank=rank,
                               lease_seconds=lease_seconds, now=now)
-            # Whatever the outcome the entry is done: claimed here, or not claimable at all.
-            redis.zrem(ready_key(prefix, row.class_, row.priority), job_id)
-            if claim is None:
+            done.append(job_id)
+            if claim is None:  # taken by another group, cancelled, or otherwise not queued
                 continue
             claimed[rank] = claim
-            estimate = plan.step_costs[job_id] * row.num_inference_steps
-            _charge(redis, prefix, job_id, row.class_, str(row.owner_id), estimate)
-            busy.append(RunningJob(job_id=job_id, rank=rank, model=model,
-                                   cost_per_step=plan.step_costs[job_id],
-                                   steps_left=row.num_inference_steps))
+            cost = plan.step_costs[job_id]
+            index.charge(redis, prefix, job_id=job_id, job_class=job.job_class,
+                         owner=job.owner, estimate=cost * job.num_steps,
+                         ttl_seconds=CHARGE_TTL_SECONDS)
+            busy.append(RunningJob(job_id=job_id, rank=rank, model=model, cost_per_step=cost,
+                                   steps_left=job.num_steps))
+        _forget(redis, prefix, [loaded[i] for i in done])
+        if not plan.assignments:
+            break
     return sorted(claimed.items(), key=lambda rc: rc[0])
 
 
-def _candidates(session: Session, redis: Redis, prefix: str, model: str, now: datetime,
-                costs: CostModel, config: PolicyConfig | None) -> tuple[Policy, dict[str, Any]]:
-    """A throwaway policy holding the due heads of the ready keys (``HEAD`` of each)."""
-    keys = ready_keys(prefix)
-    pipe = redis.pipeline(transaction=False)
-    for key in keys:
-        pipe.zrangebyscore(key, "-inf", now.timestamp(), start=0, num=HEAD)
-    ids_per_key = pipe.execute()
-    ids = {(m.decode() if isinstance(m, bytes) else m): key
-           for key, members in zip(keys, ids_per_key, strict=True) for m in members}
-    rows: dict[str, Any] = {}
-    if ids:
-        for row in session.execute(select(*_COLUMNS).where(Job.id.in_(list(ids)))):
-            rows[row.id] = row
-        session.rollback()  # end the read transaction before the claims write
-    stale = [i for i in ids if i not in rows or rows[i].state != JobState.QUEUED]
-    if stale:
-        pipe = redis.pipeline(transaction=False)
-        for job_id in stale:
-            pipe.zrem(ids[job_id], job_id)
-        pipe.execute()
+def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
+               costs: CostModel, config: PolicyConfig) -> tuple[Policy, dict[str, QueuedJob]]:
+    """A throwaway policy holding just the jobs that can win ``num_free`` ranks.
+
+    The policy takes the highest level, then the least-served user (oldest due at the top
+    level), then one of that user's ``cost_window`` oldest jobs; after each pick the picked
+    user's service grows. So the winners of ``num_free`` picks all come from the first
+    ``num_free`` user queues in that order, and from their ``cost_window + num_free`` oldest
+    jobs: that, plus a little slack, is all that is read.
+    """
+    heads = index.due_heads(redis, prefix, model, now)
     policy = Policy(config, costs)
-    owners: set[tuple[str, str]] = set()
-    for r in rows.values():
-        if r.state != JobState.QUEUED or r.model != model:
-            continue
-        policy.add(queued_job(r))
-        owners.add((r.class_, str(r.owner_id)))
-    _load_served(redis, prefix, policy, owners)
-    return policy, rows
+    if not heads:
+        return policy, {}
+    shares = sorted({(c, u) for c, _, u, _ in heads})
+    pipe = redis.pipeline(transaction=False)
+    for c, u in shares:
+        pipe.hget(index.served_key(prefix, c), u)
+    served = {s: float(v) if v is not None else 0.0
+              for s, v in zip(shares, pipe.execute(), strict=True)}
+
+    def order(head: tuple[str, int, str, float]) -> tuple[int, float, float]:
+        c, p, u, due = head
+        lvl = level(c, p, due, now, config.aging_seconds)
+        return -lvl, 0.0 if lvl == TOP_LEVEL else served[(c, u)], due
+
+    best = heapq.nsmallest(num_free + EXTRA_QUEUES, heads, key=order)
+    jobs = index.load(redis, prefix, model, [(c, p, u) for c, p, u, _ in best],
+                      config.cost_window + num_free)
+    policy.add_many(jobs)
+    for (c, u), value in served.items():
+        policy.set_served(c, u, value)
+    return policy, {j.job_id: j for j in jobs}
 
 
-def queued_job(r: Any) -> QueuedJob:
-    """A `QueuedJob` from a job row (a `Job`, or a row with the same attributes)."""
-    due = max(r.not_before or r.created_at, r.created_at)
-    return QueuedJob(
-        job_id=r.id, owner=str(r.owner_id), model=r.model, job_class=r.class_,
-        priority=r.priority, due=due.timestamp(),
-        deadline=r.deadline.timestamp() if r.deadline is not None else None,
-        num_tokens=tokens(r.width, r.height, r.num_frames), num_steps=r.num_inference_steps,
-    )
-
-
-def _load_served(redis: Redis, prefix: str, policy: Policy, shares: set[tuple[str, str]]) -> None:
-    if not shares:
+def _forget(redis: Redis, prefix: str, jobs: Sequence[QueuedJob]) -> None:
+    if not jobs:
         return
-    order = sorted(shares)
+    index.remove(redis, prefix, [j.job_id for j in jobs])
     pipe = redis.pipeline(transaction=False)
-    for job_class, owner in order:
-        pipe.hget(served_key(prefix, job_class), owner)
-    for (job_class, owner), value in zip(order, pipe.execute(), strict=True):
-        policy.set_served(job_class, owner, float(value) if value is not None else 0.0)
-
-
-def _charge(redis: Redis, prefix: str, job_id: str, job_class: str, owner: str,
-            estimate: float) -> None:
-    pipe = redis.pipeline(transaction=False)
-    pipe.hincrbyfloat(served_key(prefix, job_class), owner, estimate)
-    pipe.set(charge_key(prefix, job_id), json.dumps([job_class, owner, estimate]),
-             ex=CHARGE_TTL_SECONDS)
+    for j in jobs:
+        pipe.zrem(ready_key(prefix, j.job_class, j.priority), j.job_id)
     pipe.execute()
 
 
@@ -217,10 +199,11 @@ def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tok
     replaces the estimate its user was charged by the real render seconds."""
     result = JobResult(job_id=job_id, model=model, num_tokens=num_tokens, num_steps=num_steps,
                        render_seconds=render_seconds)
-    raw = redis.getdel(charge_key(prefix, job_id))
+    raw = redis.getdel(index.charge_key(prefix, job_id))
     if raw is not None:
         job_class, owner, estimate = json.loads(raw)
-        redis.hincrbyfloat(served_key(prefix, job_class), owner, render_seconds - estimate)
+        redis.hincrbyfloat(index.served_key(prefix, job_class), owner,
+                           render_seconds - float(estimate))
     if result.num_steps <= 0:
         return
     key = cost_key(prefix)

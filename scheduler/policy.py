@@ -18,8 +18,9 @@ weights):
    served first.
 3. **Fairness within a level.** Among the users with a job at that level, the one with the least
    service in the job's class goes first (service = estimated render seconds of the jobs started
-   for them, corrected by `update_from_output`). A user who had nothing queued enters at the
-   least service of the users already waiting, so coming back does not buy a monopoly. One
+   for them, corrected by `update_from_output`). A user who had nothing queued in the class
+   enters at the class's virtual time, the service level of the latest pick, so idle time is
+   neither credit (no monopoly on return) nor debt (no penalty for last week's big batch). One
    user's 10,000 overnight prompts thus alternate with another user's 10 instead of going first.
 4. **Cost-aware grouping.** From the chosen user's ``cost_window`` oldest jobs at that level the
    policy takes the one whose seconds per step is closest (in ratio) to the slowest job the
@@ -129,6 +130,7 @@ class Policy:
         self._deadlines: list[tuple[float, int, str]] = []
         # (class, owner) -> service in estimated render seconds; and queued jobs per (class, owner)
         self._served: dict[tuple[str, str], float] = {}
+        self._vtime: dict[str, float] = {}  # class -> service level of its latest pick
         self._num_queued: dict[tuple[str, str], int] = {}
         self._charged: dict[str, tuple[tuple[str, str], float]] = {}  # started job -> its charge
 
@@ -188,11 +190,9 @@ class Policy:
         self._served[(job_class, owner)] = seconds
 
     def _enter(self, share: tuple[str, str]) -> None:
-        # A user coming back starts level with the least-served user still waiting: their idle
-        # time is not credit to spend on a monopoly later.
-        waiting = [self._served.get(s, 0.0) for s in self._num_queued if s[0] == share[0]]
-        if waiting:
-            self._served[share] = max(self._served.get(share, 0.0), min(waiting))
+        vtime = self._vtime.get(share[0], 0.0)
+        if self._served.get(share, 0.0) < vtime:
+            self._served[share] = vtime
 
     # -- scheduling -----------------------------------------------------------------------------
 
@@ -237,7 +237,9 @@ class Policy:
         self.remove(job.job_id)
         share = (job.job_class, job.owner)
         estimate = cost_per_step * job.num_steps
-        self._served[share] = self._served.get(share, 0.0) + estimate
+        before = self._served.get(share, 0.0)
+        self._vtime[job.job_class] = max(self._vtime.get(job.job_class, 0.0), before)
+        self._served[share] = before + estimate
         self._charged[job.job_id] = (share, estimate)
 
     def _expire(self, now: float, plan: Plan) -> None:

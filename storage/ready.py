@@ -9,6 +9,9 @@ priority, ``P + "ready:{class}:{priority}"``, e.g. ``kiln:ready:interactive:9``.
 ids; the score is the Unix time from which the job may run (its ``not_before``, else its creation
 time), so ``ZRANGEBYSCORE key -inf <now>`` yields the due jobs oldest first. `ready_keys` lists
 the 20 keys in the order they should be served: interactive 9..0, then batch 9..0.
+
+`add` also appends each id to the list ``P + "ready:new"`` (the newest ``NEW_CAP`` kept), from
+which the batcher's per-user index (``scheduler.index``) learns of new entries without scanning.
 """
 
 from __future__ import annotations
@@ -24,10 +27,17 @@ from storage.jobs import MAX_PRIORITY, MIN_PRIORITY
 from storage.models import Job, JobClass, JobState
 
 _CHUNK = 1000
+# Ids announced to the batcher but not yet taken; beyond this the oldest are dropped (the
+# batcher's periodic reconcile finds those jobs in the database instead).
+NEW_CAP = 100_000
 
 
 def ready_key(prefix: str, job_class: str, priority: int) -> str:
     return f"{prefix}ready:{job_class}:{priority}"
+
+
+def new_key(prefix: str) -> str:
+    return f"{prefix}ready:new"
 
 
 def ready_keys(prefix: str) -> list[str]:
@@ -47,11 +57,13 @@ def score(job: Job) -> float:
 def add(redis: Redis, prefix: str, jobs: Iterable[Job]) -> None:
     """Adds queued jobs (call only after the transaction that queued them has committed)."""
     pipe = redis.pipeline(transaction=False)
-    num = 0
+    ids = []
     for job in jobs:
         pipe.zadd(ready_key(prefix, job.class_, job.priority), {job.id: score(job)})
-        num += 1
-    if num:
+        ids.append(job.id)
+    if ids:
+        pipe.rpush(new_key(prefix), *ids)
+        pipe.ltrim(new_key(prefix), -NEW_CAP, -1)
         pipe.execute()
 
 

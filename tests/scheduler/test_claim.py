@@ -10,6 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from scheduler import claim as sched
+from scheduler import index
 from scheduler.policy import RunningJob
 from storage import jobs, ready
 from storage.jobs import JobSpec
@@ -107,12 +108,15 @@ def test_a_stale_entry_is_dropped_and_its_rank_goes_to_the_next_job(
     alice = user(session, "alice")
     first = submit(session, redis_client, redis_prefix, alice, priority=9)
     second = submit(session, redis_client, redis_prefix, alice, priority=1)
+    index.ensure_built(session, redis_client, redis_prefix)
+    assert redis_client.hlen(index.jobs_key(redis_prefix)) == 2
     # Claimed behind the index's back (another group that has not cleaned up yet).
     assert jobs.claim_job(session, first.id, worker_group_id="other", lease_seconds=60,
                           now=T0) is not None
     got = claim(session, redis_client, redis_prefix, [0])
     assert [c.job.id for _, c in got] == [second.id]
     assert redis_client.zcard(ready.ready_key(redis_prefix, "interactive", 9)) == 0
+    assert redis_client.hlen(index.jobs_key(redis_prefix)) == 0
 
 
 def test_two_groups_claiming_at_once_never_get_the_same_job(
@@ -146,11 +150,60 @@ def test_record_result_teaches_the_cost_model_and_corrects_the_users_charge(
     alice = user(session, "alice")
     submit(session, redis_client, redis_prefix, alice, num_inference_steps=4)
     [(_, c)] = claim(session, redis_client, redis_prefix, [0])
-    served = redis_client.hget(sched.served_key(redis_prefix, "interactive"), str(alice.id))
+    served = redis_client.hget(index.served_key(redis_prefix, "interactive"), str(alice.id))
     assert served is not None and float(served) > 0
     sched.record_result(redis_client, prefix=redis_prefix, job_id=c.job.id, model="kiln-tiny",
                         num_tokens=48, num_steps=4, render_seconds=2.0)
-    served = redis_client.hget(sched.served_key(redis_prefix, "interactive"), str(alice.id))
+    served = redis_client.hget(index.served_key(redis_prefix, "interactive"), str(alice.id))
     assert served is not None and abs(float(served) - 2.0) < 1e-9
     costs = sched.load_costs(redis_client, redis_prefix)
     assert abs(costs.step_seconds("kiln-tiny", 48) - 0.5) < 1e-9
+
+
+def test_another_users_few_jobs_are_not_held_back_by_one_users_thousands(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice, bob = user(session, "alice"), user(session, "bob")
+    for _ in range(60):
+        submit(session, redis_client, redis_prefix, alice, job_class=JobClass.BATCH)
+    bobs = {submit(session, redis_client, redis_prefix, bob, job_class=JobClass.BATCH,
+                   now=T0 + timedelta(seconds=1)).id for _ in range(3)}
+    order: list[str] = []
+    for _ in range(4):
+        order += [c.job.id for _, c in claim(session, redis_client, redis_prefix, [0, 1],
+                                             now=T0 + timedelta(seconds=2))]
+    # Bob's 3 jobs alternate with Alice's from the start instead of waiting behind 60.
+    assert bobs <= set(order[:6])
+
+
+def test_the_index_holds_only_queued_jobs_and_is_empty_once_they_are_claimed(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    ids = [submit(session, redis_client, redis_prefix, alice).id for _ in range(5)]
+    cancelled = submit(session, redis_client, redis_prefix, alice)
+    index.ensure_built(session, redis_client, redis_prefix)
+    assert jobs.request_cancel(session, cancelled.id, alice) is not None
+    assert index.reconcile(session, redis_client, redis_prefix) == index.Reconciled(
+        added=0, removed=1)
+    got: list[str] = []
+    while claims := claim(session, redis_client, redis_prefix, [0, 1]):
+        got += [c.job.id for _, c in claims]
+    assert sorted(got) == sorted(ids)
+    left = {k.split(":", 2)[2] for k in index.index_keys(redis_client, redis_prefix)}
+    # Only per-class accounting and markers remain: no queue, head or job entry.
+    assert left <= {"sched:built", "sched:served:interactive", "sched:vtime:interactive"} | {
+        f"sched:charge:{i}" for i in ids}
+
+
+def test_a_requeued_job_is_indexed_again_and_claimed(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    job = submit(session, redis_client, redis_prefix, alice)
+    [(_, first)] = claim(session, redis_client, redis_prefix, [0])
+    assert jobs.fail_job(session, job.id, first.attempt_token, error="worker lost",
+                         retryable=True) == JobState.QUEUED
+    ready.add(redis_client, redis_prefix, [session.get(Job, job.id)])  # type: ignore[list-item]
+    [(_, second)] = claim(session, redis_client, redis_prefix, [1])
+    assert second.job.id == job.id and second.attempt_token != first.attempt_token
