@@ -149,6 +149,8 @@ def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: 
         finally:
             dist.destroy_process_group()
         messages.put(("done", rank, result))
+    except ValueError as exc:  # a user mistake (a size the model cannot render): no traceback
+        messages.put(("invalid", rank, str(exc)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         messages.put(("error", rank, traceback.format_exc()))
 
@@ -193,15 +195,20 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
                 continue
             if kind == "done":
                 results[rank] = payload[0]
+            elif kind == "invalid":
+                raise ValueError(payload[0])
             elif kind == "error":
                 raise RenderError(f"rank {rank} failed:\n{payload[0]}")
             elif on_message is not None:
                 on_message(kind, rank, tuple(payload))
+    except BaseException:
+        # The other ranks may be blocked in a gather that the failed rank will never join.
+        for p in procs:
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
     return [results[r] for r in range(world)]
 
 

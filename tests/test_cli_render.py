@@ -71,3 +71,11 @@ def test_render_names_what_model_accepts_when_the_directory_is_not_a_model(tmp_p
                                       "--out", str(tmp_path / "a.mp4")])
     assert result.exit_code == 2
     assert "kiln-tiny" in result.output and "model_index.json" in result.output
+
+
+@pytest.mark.slow
+def test_a_user_mistake_on_two_ranks_is_reported_plainly_and_stops_every_rank(tmp_path):
+    result = CliRunner().invoke(app, [*ARGS, "--frames", "8", "--dp", "2", "--out",
+                                      str(tmp_path / "a.mp4")])
+    assert result.exit_code == 2
+    assert "1 + 4k frames" in result.output and "Traceback" not in result.output

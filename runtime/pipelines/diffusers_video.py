@@ -8,7 +8,8 @@ pipeline class (named in ``model_index.json``) then loads the tokenizer, text en
 scheduler around those transformers. The offload mechanism knows nothing about the family.
 
 What differs per family is the denoising loop, and only that is written here, following each
-reference pipeline operation for operation so the output matches it bit for bit (CPU, fp32):
+reference pipeline operation for operation so the output matches it bit for bit (CPU, fp32, the
+same number of CPU threads: kernels split their reductions by thread count):
 ``WanPipeline`` (Wan2.1, Wan2.2 with two experts) and ``CogVideoXPipeline``. The loop is driven
 step by step (see ``runtime.pipelines.base``); each job keeps its own copy of the scheduler,
 whose multistep state belongs to that job.
