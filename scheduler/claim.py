@@ -87,7 +87,10 @@ def claim_for_group(
     """Pick up to len(free_ranks) compatible queued jobs for this group's free ranks and claim
     each atomically (storage.jobs.claim_job); returns (rank, Claim) pairs, by rank. Jobs whose
     deadline has passed are moved to `expired` on the way. Never returns a job another group
-    claimed."""
+    claimed.
+
+    ``running``: what the group's other ranks are still rendering; a ``cost_per_step`` of 0 is
+    replaced by the estimate recorded when that job was claimed here."""
     now = now or utcnow()
     config = config or PolicyConfig()
     ranks = sorted(set(free_ranks))
@@ -97,7 +100,7 @@ def claim_for_group(
     index.ingest(session, redis, prefix)
     costs = load_costs(redis, prefix)
     claimed: dict[int, Claim] = {}
-    busy = list(running)
+    busy = _with_costs(redis, prefix, running)
     for _ in range(MAX_ROUNDS):
         want = [r for r in ranks if r not in claimed]
         if not want:
@@ -118,7 +121,7 @@ def claim_for_group(
             claimed[rank] = claim
             cost = plan.step_costs[job_id]
             index.charge(redis, prefix, job_id=job_id, job_class=job.job_class,
-                         owner=job.owner, estimate=cost * job.num_steps,
+                         owner=job.owner, cost_per_step=cost, num_steps=job.num_steps,
                          ttl_seconds=CHARGE_TTL_SECONDS)
             busy.append(RunningJob(job_id=job_id, rank=rank, model=model, cost_per_step=cost,
                                    steps_left=job.num_steps))
@@ -126,6 +129,15 @@ def claim_for_group(
         if not plan.assignments:
             break
     return sorted(claimed.items(), key=lambda rc: rc[0])
+
+
+def _with_costs(redis: Redis, prefix: str, running: Sequence[RunningJob]) -> list[RunningJob]:
+    """``running``, with the cost recorded at claim time wherever the caller passed none."""
+    unknown = [r.job_id for r in running if not r.cost_per_step > 0]
+    known = index.step_costs(redis, prefix, unknown)
+    return [RunningJob(job_id=r.job_id, rank=r.rank, model=r.model,
+                       cost_per_step=known.get(r.job_id, r.cost_per_step),
+                       steps_left=r.steps_left) if r.job_id in known else r for r in running]
 
 
 def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
@@ -201,7 +213,7 @@ def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tok
                        render_seconds=render_seconds)
     raw = redis.getdel(index.charge_key(prefix, job_id))
     if raw is not None:
-        job_class, owner, estimate = json.loads(raw)
+        job_class, owner, estimate = json.loads(raw)[:3]
         redis.hincrbyfloat(index.served_key(prefix, job_class), owner,
                            render_seconds - float(estimate))
     if result.num_steps <= 0:

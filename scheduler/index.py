@@ -120,15 +120,15 @@ return out
 """
 
 _CHARGE = """
-local p, class, user, estimate = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local p, class, user, estimate, cost = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[7]
 local served = tonumber(redis.call('HGET', p .. 'sched:served:' .. class, user) or '0')
 local vt = tonumber(redis.call('GET', p .. 'sched:vtime:' .. class) or '0')
 if served > vt then
   redis.call('SET', p .. 'sched:vtime:' .. class, tostring(served))
 end
 redis.call('HINCRBYFLOAT', p .. 'sched:served:' .. class, user, estimate)
-redis.call('SET', p .. 'sched:charge:' .. ARGV[5], cjson.encode({class, user, tonumber(estimate)}),
-           'EX', tonumber(ARGV[6]))
+redis.call('SET', p .. 'sched:charge:' .. ARGV[5],
+           cjson.encode({class, user, tonumber(estimate), tonumber(cost)}), 'EX', tonumber(ARGV[6]))
 return 1
 """
 
@@ -194,9 +194,25 @@ def remove(redis: Redis, prefix: str, job_ids: Sequence[str]) -> int:
 
 
 def charge(redis: Redis, prefix: str, *, job_id: str, job_class: str, owner: str,
-           estimate: float, ttl_seconds: int) -> None:
-    """Charges a started job to its user and moves the class's virtual time to their level."""
-    redis.eval(_CHARGE, 0, prefix, job_class, owner, repr(estimate), job_id, ttl_seconds)
+           cost_per_step: float, num_steps: int, ttl_seconds: int) -> None:
+    """Charges a started job to its user and moves the class's virtual time to their level.
+    The record (``P sched:charge:{job id}``) also keeps the job's estimated seconds per step."""
+    redis.eval(_CHARGE, 0, prefix, job_class, owner, repr(cost_per_step * num_steps), job_id,
+               ttl_seconds, repr(cost_per_step))
+
+
+def step_costs(redis: Redis, prefix: str, job_ids: Sequence[str]) -> dict[str, float]:
+    """Estimated seconds per step of started jobs, as charged (missing: unknown)."""
+    if not job_ids:
+        return {}
+    out = {}
+    for job_id, raw in zip(job_ids, redis.mget([charge_key(prefix, i) for i in job_ids]),
+                           strict=True):
+        if raw is not None:
+            record = json.loads(raw)
+            if len(record) > 3:
+                out[job_id] = float(record[3])
+    return out
 
 
 def from_meta(job_id: str, due: float, raw: str | bytes) -> QueuedJob:

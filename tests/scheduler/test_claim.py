@@ -207,3 +207,21 @@ def test_a_requeued_job_is_indexed_again_and_claimed(
     ready.add(redis_client, redis_prefix, [session.get(Job, job.id)])  # type: ignore[list-item]
     [(_, second)] = claim(session, redis_client, redis_prefix, [1])
     assert second.job.id == job.id and second.attempt_token != first.attempt_token
+
+
+def test_a_free_rank_gets_the_job_closest_in_step_cost_to_what_the_other_rank_runs(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    first_big = submit(session, redis_client, redis_prefix, alice, width=256, height=256)
+    submit(session, redis_client, redis_prefix, alice, now=T0 + timedelta(seconds=1))  # small
+    big = submit(session, redis_client, redis_prefix, alice, width=256, height=256,
+                 now=T0 + timedelta(seconds=2))
+    [(_, c)] = claim(session, redis_client, redis_prefix, [0], now=T0 + timedelta(seconds=3))
+    assert c.job.id == first_big.id
+    # The worker does not know costs: 0 means "the one recorded at claim time".
+    running = [RunningJob(job_id=first_big.id, rank=0, model="kiln-tiny", cost_per_step=0.0,
+                          steps_left=3)]
+    [(rank, c)] = claim(session, redis_client, redis_prefix, [1], running=running,
+                        now=T0 + timedelta(seconds=3))
+    assert (rank, c.job.id) == (1, big.id)  # not the older small one
