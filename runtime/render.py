@@ -4,8 +4,8 @@ With ``dp > 1`` every rank loads the model with DLO (all-gather mode shards the 
 across the ranks), takes the request with its rank's index if there is one, and all ranks step in
 lock-step (``runtime.pipelines.base``): a rank without a request, or whose request has finished,
 calls ``idle_step`` until the longest request is done. Each rank with a request writes its own
-MP4 and thumbnail. Progress (rank 0's, or the first busy rank's) and per-rank memory figures come
-back to the parent over a queue.
+MP4 and thumbnail. Rank 0's progress and every rank's memory figures come back to the parent
+over a queue.
 """
 
 from __future__ import annotations
@@ -97,13 +97,11 @@ def frames_to_uint8(frames: Any, *, free_bytes: int | None = None) -> Any:
     return map_tiles(lambda f: (f.clamp(0, 1) * 255).round().to(torch.uint8), frames, out, plan)
 
 
-def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], out: str,
-                on_step: Callable[[int, int], None] | None = None, *, fps: int = 16,
-                started: float | None = None) -> RankReport:
-    """This rank's share of a lock-step render: its request (if any), idle steps otherwise."""
-    from storage.video import write_outputs
-
-    started = time.perf_counter() if started is None else started
+def run_lockstep(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
+                 on_step: Callable[[int, int], None] | None = None) -> Any:
+    """Request ``rank`` (if there is one) stepped in lock-step with the other ranks, which run
+    the others; idle steps until the longest request is done. Returns the decoded float frames,
+    or None on a rank without a request."""
     request = requests[rank] if rank < len(requests) else None
     num_steps = max(r.num_steps for r in requests)
     state = pipe.prepare(request) if request is not None else None
@@ -114,10 +112,21 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
             pipe.idle_step()
         if on_step is not None:
             on_step(i + 1, num_steps)
+    return pipe.decode(state) if state is not None else None
+
+
+def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], out: str,
+                on_step: Callable[[int, int], None] | None = None, *, fps: int = 16,
+                started: float | None = None) -> RankReport:
+    """This rank's share of a lock-step render: its request (if any), idle steps otherwise."""
+    from storage.video import write_outputs
+
+    started = time.perf_counter() if started is None else started
+    decoded = run_lockstep(pipe, rank, requests, on_step)
     video = thumb = None
     num_frames = 0
-    if state is not None:
-        frames = frames_to_uint8(pipe.decode(state)).cpu().numpy()
+    if decoded is not None:
+        frames = frames_to_uint8(decoded).cpu().numpy()
         num_frames = int(frames.shape[0])
         video, thumb = write_outputs(frames, output_path(out, rank), fps=fps)
     peak, pss, private = memory_figures()
@@ -191,14 +200,17 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
                     on_sample(_summed_pss(procs))
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RenderError(f"a rank exited with code {dead[0].exitcode}") from None
+                    raise _root_cause(messages) or RenderError(
+                        f"a rank exited with code {dead[0].exitcode}") from None
                 continue
             if kind == "done":
                 results[rank] = payload[0]
             elif kind == "invalid":
                 raise ValueError(payload[0])
             elif kind == "error":
-                raise RenderError(f"rank {rank} failed:\n{payload[0]}")
+                # A rank whose partner failed fails too (its gather lost a peer): report the
+                # root cause, a user mistake on another rank, when one arrives shortly.
+                raise _root_cause(messages) or RenderError(f"rank {rank} failed:\n{payload[0]}")
             elif on_message is not None:
                 on_message(kind, rank, tuple(payload))
     except BaseException:
@@ -210,6 +222,19 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
         for p in procs:
             p.join(timeout=30)
     return [results[r] for r in range(world)]
+
+
+def _root_cause(messages: Any, wait_s: float = 2.0) -> ValueError | None:
+    """A user mistake reported by some rank within ``wait_s``, if any."""
+    deadline = time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            kind, _, *payload = messages.get(timeout=left)
+        except queue.Empty:
+            return None
+        if kind == "invalid":
+            return ValueError(payload[0])
+    return None
 
 
 def _render_on_rank(rank: int, world: int, messages: Any, model: str,
@@ -228,14 +253,8 @@ def _generate_on_rank(rank: int, world: int, messages: Any, model: str,
                       requests: list[VideoRequest], use_allgather: bool) -> Any:
     pipe = load_pipeline(model, use_allgather=use_allgather)
     try:
-        request = requests[rank] if rank < len(requests) else None
-        state = pipe.prepare(request) if request is not None else None
-        for _ in range(max(r.num_steps for r in requests)):
-            if state is not None and not state.done:
-                pipe.step(state)
-            else:
-                pipe.idle_step()
-        return pipe.decode(state).cpu().numpy() if state is not None else None
+        frames = run_lockstep(pipe, rank, requests)
+        return frames.cpu().numpy() if frames is not None else None
     finally:
         pipe.close()
 
