@@ -78,6 +78,7 @@ class VideoPipeline(abc.ABC):
 
     def __init__(self, handles: Sequence[DLOHandle | None]) -> None:
         self.handles = list(handles)
+        self._step_targets: list[int | None] | None = None  # inside step(): blocks to reach
 
     @abc.abstractmethod
     def prepare(self, request: VideoRequest) -> DenoiseState: ...
@@ -95,19 +96,33 @@ class VideoPipeline(abc.ABC):
             raise ValueError(f"the job has run all its {state.num_steps} steps")
         targets = [None if h is None else h.num_acquired + self.forwards_per_step * h.num_blocks
                    for h in self.handles]
+        self._step_targets = targets
         try:
             self._denoise(state)
         finally:
             # The gathers this job did not need (no CFG, the other expert), or that a forward
             # which raised part-way never issued: every other rank is waiting for them.
-            for handle, target in zip(self.handles, targets, strict=True):
-                if handle is not None:
-                    handle.idle_until(target)
+            self._complete_handles_before(len(self.handles))
+            self._step_targets = None
         for handle, target in zip(self.handles, targets, strict=True):
             if handle is not None and handle.num_acquired != target:
                 raise AssertionError(f"{type(self).__name__} ran more than forwards_per_step="
                                      f"{self.forwards_per_step} forwards in one step")
         state.step_index += 1
+
+    def _complete_handles_before(self, index: int) -> None:
+        """Finish this step's gathers of handles ``0 .. index-1``.
+
+        A pipeline with several streamed transformers calls this with a transformer's index
+        before running it: every rank then finishes the handles in the same order, whichever
+        transformer its own job needs this step. (Each handle's gathers run on their own group;
+        a rank computing with handle 1 while its peer computes with handle 0 would leave both
+        waiting on a gather the other will only issue later.)
+        """
+        assert self._step_targets is not None, "only inside step()"
+        for handle, target in zip(self.handles[:index], self._step_targets, strict=False):
+            if handle is not None and target is not None:
+                handle.idle_until(target)
 
     def idle_step(self) -> None:
         for handle in self.handles:

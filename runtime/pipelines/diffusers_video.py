@@ -192,6 +192,7 @@ class WanVideoPipeline(DiffusersVideoPipeline):
         # Wan2.2: the high-noise expert above the boundary, the low-noise one below.
         expert = 0 if x["boundary"] is None or t >= x["boundary"] else 1
         model = self.transformers[expert]
+        self._complete_handles_before(expert)  # same handle order on every rank
         latents = state.latents
         model_input = latents.to(model._kiln_dtype)
         if self.pipe.config.expand_timesteps:

@@ -81,6 +81,24 @@ def test_two_ranks_with_allgather_equal_the_diffusers_pipeline(model_dirs, name)
     np.testing.assert_array_equal(frames[0], ref)
 
 
+@pytest.mark.slow
+def test_wan22_ranks_in_different_expert_phases_stay_in_step(model_dirs):
+    # 4 steps: t = 999, 900, 750, 500; 6 steps: 999, 937, 857, 750, 600, 376. With the boundary
+    # at 600, step 3 runs the low-noise expert on rank 0 and the high-noise one on rank 1, and
+    # rank 0 idles steps 4-5.
+    requests = [VideoRequest(prompt="a red ball", num_steps=4, seed=1),
+                VideoRequest(prompt="a blue cat", num_steps=6, seed=2)]
+    frames = generate_on_ranks(str(model_dirs["wan22"]), requests, dp=2, timeout_s=120)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on each rank
+    try:
+        refs = [reference_frames("wan22", r) for r in requests]
+    finally:
+        torch.set_num_threads(threads)
+    for got, ref in zip(frames, refs, strict=True):
+        np.testing.assert_array_equal(got, ref)
+
+
 def _step_counts(pipe, request):
     """(forwards computed, blocks acquired) per transformer, for one step."""
     forwards = [0] * len(pipe.transformers)
