@@ -236,3 +236,30 @@ class JobEvent(Base):
     kind: Mapped[str] = mapped_column(String(32))
     attempt: Mapped[int] = mapped_column(default=0)
     detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class WebhookDelivery(Base):
+    """The delivery record of a finished job's webhook (`storage.webhooks`).
+
+    The job row itself is the outbox: a job in a final state with a ``webhook_url`` and no
+    ``delivered``/``failed`` row here still owes its webhook, whatever happened to the task.
+    """
+
+    __tablename__ = "webhook_deliveries"
+
+    job_id: Mapped[str] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # delivered | failed
+    attempts: Mapped[int] = mapped_column(default=0)
+    # Not before this may the next attempt start; while an attempt runs, the end of its hold.
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_status: Mapped[int | None]  # HTTP status of the latest attempt (None: no response)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+
+
+# The webhook sweeper (recently finished jobs) and retention (long-finished jobs) both range over
+# finished_at.
+Index("ix_jobs_finished_at", Job.finished_at)

@@ -1,0 +1,132 @@
+"""Webhook delivery records: which finished jobs still owe their webhook, and one attempt at a time.
+
+The outbox is the ``jobs`` table itself: a job in a final state with a ``webhook_url`` owes one
+delivery until its `WebhookDelivery` row says ``delivered`` or ``failed`` (gave up). Nothing has to
+be written when the job finishes, so no process can die between "finished" and "webhook owed".
+
+An attempt is taken like a lease: `begin_attempt` is one conditional UPDATE that moves
+``next_attempt_at`` past the attempt's end, so two tasks for the same job (the one enqueued at
+finish and the sweeper's) never post at once, and an attempt whose process died becomes due again
+once its hold runs out. Receivers must still tolerate a repeat (a process may die after the POST
+and before `record_result`): the ``Kiln-Delivery`` header carries the job id for that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import and_, exists, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from storage.models import TERMINAL_STATES, Job, WebhookDelivery, utcnow
+
+PENDING = "pending"
+DELIVERED = "delivered"
+FAILED = "failed"  # gave up: out of attempts, or the receiver answered 410 Gone
+_FINAL = (DELIVERED, FAILED)
+_TERMINAL = [s.value for s in TERMINAL_STATES]
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    job: Job  # the finished job, as read when the attempt began
+    number: int  # 1 for the first attempt
+
+
+def owed(session: Session, *, since: datetime, now: datetime | None = None,
+         limit: int = 500) -> list[str]:
+    """Ids of jobs finished between ``since`` and ``now`` whose webhook is neither delivered nor
+    given up, and due at ``now``: never attempted, or its retry (or a died attempt's hold) is
+    due."""
+    now = now or utcnow()
+    settled_or_waiting = exists().where(
+        WebhookDelivery.job_id == Job.id,
+        or_(WebhookDelivery.state.in_(_FINAL), WebhookDelivery.next_attempt_at > now),
+    )
+    stmt = (
+        select(Job.id)
+        .where(Job.finished_at >= since, Job.finished_at <= now, Job.state.in_(_TERMINAL),
+               Job.webhook_url.is_not(None), ~settled_or_waiting)
+        .order_by(Job.finished_at)
+        .limit(limit)
+    )
+    ids = list(session.scalars(stmt))
+    session.rollback()  # end the read transaction
+    return ids
+
+
+def begin_attempt(session: Session, job_id: str, *, hold_seconds: float,
+                  now: datetime | None = None) -> Attempt | None:
+    """Takes the next attempt at this job's webhook and commits; None when there is nothing to do
+    now: no such finished job with a webhook_url, already settled, or an attempt is due later or
+    still running elsewhere. The caller posts, then calls `record_result` with ``number``."""
+    now = now or utcnow()
+    job = session.scalar(select(Job).where(Job.id == job_id, Job.state.in_(_TERMINAL),
+                                           Job.webhook_url.is_not(None)))
+    if job is None:
+        session.rollback()
+        return None
+    if session.get(WebhookDelivery, job_id) is None:
+        try:
+            session.execute(insert(WebhookDelivery).values(
+                job_id=job_id, state=PENDING, attempts=0, next_attempt_at=now, created_at=now))
+            session.commit()
+        except IntegrityError:
+            session.rollback()  # a concurrent attempt made the row first; the UPDATE decides
+    row = session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.job_id == job_id, WebhookDelivery.state == PENDING,
+               WebhookDelivery.next_attempt_at <= now)
+        .values(attempts=WebhookDelivery.attempts + 1,
+                next_attempt_at=now + timedelta(seconds=hold_seconds))
+        .returning(WebhookDelivery.attempts)
+    ).one_or_none()
+    if row is None:
+        session.rollback()
+        return None
+    session.commit()
+    return Attempt(job=job, number=int(row[0]))
+
+
+def record_result(session: Session, job_id: str, number: int, *, delivered: bool,
+                  status: int | None = None, error: str | None = None,
+                  retry_at: datetime | None = None, now: datetime | None = None) -> str | None:
+    """Records how attempt ``number`` went and commits: ``delivered``; else ``pending`` again
+    from ``retry_at``, or ``failed`` (given up) when ``retry_at`` is None. Returns the new state,
+    or None if a later attempt has taken over (this one overran its hold) and nothing was
+    written."""
+    now = now or utcnow()
+    if delivered:
+        values: dict[str, object] = dict(state=DELIVERED, finished_at=now, last_error=None)
+    elif retry_at is not None:
+        values = dict(state=PENDING, next_attempt_at=retry_at, last_error=error)
+    else:
+        values = dict(state=FAILED, finished_at=now, last_error=error)
+    result = session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.job_id == job_id, WebhookDelivery.state == PENDING,
+               WebhookDelivery.attempts == number)
+        .values(last_status=status, **values)
+        .returning(WebhookDelivery.state)
+    ).one_or_none()
+    if result is None:
+        session.rollback()
+        return None
+    session.commit()
+    return str(result[0])
+
+
+def delivery(session: Session, job_id: str) -> WebhookDelivery | None:
+    return session.get(WebhookDelivery, job_id)
+
+
+def has_webhook(session: Session, job_ids: list[str]) -> list[str]:
+    """Those of ``job_ids`` that are finished and have a webhook_url (what to enqueue)."""
+    if not job_ids:
+        return []
+    ids = list(session.scalars(select(Job.id).where(
+        and_(Job.id.in_(job_ids), Job.state.in_(_TERMINAL), Job.webhook_url.is_not(None)))))
+    session.rollback()
+    return ids
