@@ -92,6 +92,27 @@ class Settings(BaseSettings):
     # A worker group that has not reported for this long is shown as stale.
     worker_stale_seconds: int = Field(default=60, ge=1)
 
+    # Side work (kiln.tasks, run by `kiln celery`). How often beat runs the lease reaper; the
+    # ready-index reconciliation runs every reconcile_interval_seconds.
+    reaper_interval_seconds: float = Field(default=15.0, gt=0)
+    # Webhooks: a job that reaches a final state with a webhook_url gets one POST, signed with
+    # HMAC-SHA256 under this secret (header Kiln-Signature); unset: sent unsigned.
+    webhook_secret: str | None = None
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Attempts per delivery; retries wait webhook_backoff_seconds, doubling up to the maximum.
+    webhook_max_attempts: int = Field(default=8, ge=1)
+    webhook_backoff_seconds: float = Field(default=10.0, gt=0)
+    webhook_backoff_max_seconds: float = Field(default=600.0, gt=0)
+    # The sweeper re-sends deliveries whose task was lost, for jobs finished within this window.
+    webhook_sweep_interval_seconds: float = Field(default=60.0, gt=0)
+    webhook_sweep_hours: float = Field(default=24.0, gt=0)
+    # Outputs of jobs finished longer ago than this are deleted (the rows stay); 0 keeps them.
+    retention_days: int = Field(default=30, ge=0)
+    retention_interval_seconds: float = Field(default=3600.0, gt=0)
+    # Celery on Redis re-delivers a task not acknowledged within this; it must exceed the longest
+    # task run and the longest retry countdown, or a task runs twice.
+    celery_visibility_timeout_seconds: int = Field(default=6 * 3600, ge=60)
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.default_fps > self.max_fps:
@@ -107,7 +128,11 @@ class Settings(BaseSettings):
             raise ValueError("default_num_inference_steps exceeds max_num_inference_steps")
         if self.storage_url is not None and urlsplit(self.storage_url).scheme != "s3":
             raise ValueError(f"storage_url must be s3://bucket[/prefix], got {self.storage_url!r}")
+        if self.webhook_backoff_max_seconds >= self.celery_visibility_timeout_seconds:
+            raise ValueError("webhook_backoff_max_seconds must be below "
+                             "celery_visibility_timeout_seconds (a retry would run twice)")
         self._check_secret("s3_secret_access_key", self.s3_secret_access_key)
+        self._check_secret("webhook_secret", self.webhook_secret)
         self._check_secret("database_url password", urlsplit(self.database_url).password)
         if self.redis_url is not None:
             self._check_secret("redis_url password", urlsplit(self.redis_url).password)

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +20,7 @@ import av
 import httpx
 import numpy as np
 import pytest
-import uvicorn
-from multirank import free_port
+from servers import Server
 from sqlalchemy import select
 
 from api.app import create_app
@@ -41,30 +39,6 @@ JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9,
 def _decoded(path: Path) -> np.ndarray:
     with av.open(str(path)) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-
-
-class Server:
-    """The API app served by uvicorn on a free port, in a thread."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the API did not start")
-            time.sleep(0.05)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture

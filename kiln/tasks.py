@@ -1,0 +1,356 @@
+"""Celery side work on kiln's Redis: webhooks, the lease reaper, ready-index reconciliation and
+output retention, with the beat schedule that runs the periodic ones.
+
+Tasks are thin adapters. Each takes ids, re-reads the rows, checks their state and is safe to run
+twice (``acks_late``: a task whose worker died is delivered again). The work itself lives in plain
+functions taking a `Context` (`deliver`, `sweep`, `reap_leases`, `reconcile`, `clean_up`), which
+the tests call directly against a real database and Redis.
+
+Nothing here is the only copy of a fact: the database says which jobs are finished and still owe a
+webhook (`storage.webhooks`), which leases lapsed, what is queued and what is old, so a lost task
+is made good by the next periodic run.
+
+Run it with ``kiln celery`` (worker with embedded beat), or ``kiln celery worker`` and
+``kiln celery beat`` as separate processes (production: exactly one beat).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import lru_cache
+from typing import Any
+
+import httpx
+from celery import Celery, Task
+from redis import Redis, RedisError
+from sqlalchemy.orm import Session, sessionmaker
+
+from kiln import signing
+from kiln.settings import Settings, get_settings
+from storage import jobs, ready, retention, webhooks
+from storage.db import make_engine, make_session_factory
+from storage.models import Job, JobState, utcnow
+from storage.outputs import OutputStore, make_store
+
+log = logging.getLogger(__name__)
+
+USER_AGENT = "kiln-webhooks/0.1"
+# The sweeper leaves alone what the normal path is about to do: a job finished (or a retry due)
+# within this, whose task is probably still on its way.
+SWEEP_GRACE_SECONDS = 30.0
+_CLEAN_UP_CHUNK = 200
+
+app = Celery("kiln")
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """The Celery settings for a deployment: its Redis, its key prefix, late acks."""
+    # Celery's keys live under kiln's prefix, so several deployments (and tests) share one Redis.
+    keyprefix = f"{settings.redis_prefix}celery:"
+    return dict(
+        broker_url=settings.redis_url,
+        result_backend=settings.redis_url,
+        broker_transport_options={
+            "global_keyprefix": keyprefix,
+            # An unacknowledged task is re-delivered after this; see the setting's comment.
+            "visibility_timeout": settings.celery_visibility_timeout_seconds,
+            "socket_connect_timeout": 5,
+        },
+        result_backend_transport_options={"global_keyprefix": keyprefix},
+        result_expires=timedelta(days=1),
+        # Acknowledge after the task ran, so a worker that dies mid-task loses nothing; fetch one
+        # at a time, so a busy worker does not sit on tasks another could run.
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        # A task that kills its worker is not requeued (it could kill every worker in turn); the
+        # periodic sweeps pick its work up again from the database.
+        task_reject_on_worker_lost=False,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        enable_utc=True,
+        timezone="UTC",
+        broker_connection_retry_on_startup=True,
+        beat_schedule=beat_schedule(settings),
+        beat_schedule_filename=os.path.join(
+            tempfile.gettempdir(), f"kiln-beat-{_safe(settings.redis_prefix)}"),
+    )
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
+    def every(seconds: float, task: str) -> dict[str, Any]:
+        # A periodic run not started within one period is dropped: the next one does its work.
+        return {"task": task, "schedule": seconds, "options": {"expires": seconds}}
+
+    return {
+        "reap-leases": every(settings.reaper_interval_seconds, "kiln.reap_leases"),
+        "reconcile-ready-index": every(settings.reconcile_interval_seconds,
+                                       "kiln.reconcile_ready_index"),
+        "sweep-webhooks": every(settings.webhook_sweep_interval_seconds, "kiln.sweep_webhooks"),
+        "clean-up-outputs": every(settings.retention_interval_seconds, "kiln.clean_up_outputs"),
+    }
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text).strip("_") or "kiln"
+
+
+def configure(settings: Settings) -> None:
+    """Points the app at ``settings``' Redis. Done at import with the environment's settings;
+    a process that holds other settings (tests) calls it again."""
+    app.conf.update(celery_config(settings))
+    # Drop connections made under the previous configuration.
+    app.close()
+    app.amqp._producer_pool = None
+
+
+configure(get_settings())
+
+
+# ---- the work, as plain functions ---------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class Context:
+    """What the task bodies need; built once per worker process from the settings."""
+
+    settings: Settings
+    sessions: sessionmaker[Session]
+    redis: Redis
+    store: OutputStore
+
+
+def make_context(settings: Settings) -> Context:
+    if settings.redis_url is None:
+        raise ValueError("the Celery side work needs REDIS_URL (kiln up sets it)")
+    return Context(
+        settings=settings,
+        sessions=make_session_factory(make_engine(settings.database_url)),
+        redis=Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5),
+        store=make_store(settings),
+    )
+
+
+@lru_cache
+def _context() -> Context:
+    # Built lazily: in a prefork pool each child makes its own connections after the fork.
+    return make_context(get_settings())
+
+
+def payload(job: Job) -> dict[str, Any]:
+    """The JSON a webhook receives: the event and the job's outcome."""
+    done = job.state == JobState.SUCCEEDED
+    error = None
+    if job.state != JobState.SUCCEEDED and job.error is not None:
+        error = {"code": job.error_code or job.state, "message": job.error}
+    return {
+        "type": f"job.{job.state}",
+        "job": {
+            "id": job.id,
+            "status": job.state,
+            "model": job.model,
+            "batch_id": job.batch_id,
+            "attempts": job.attempts,
+            "created_at": job.created_at.isoformat(),
+            "started_at": job.started_at.isoformat() if job.started_at else None,
+            "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+            "render_seconds": job.render_seconds,
+            "video_url": f"/v1/jobs/{job.id}/video" if done and job.output_video_key else None,
+            "thumbnail_url": (f"/v1/jobs/{job.id}/thumbnail"
+                              if done and job.output_thumbnail_key else None),
+            "error": error,
+            "metadata": job.meta,
+        },
+    }
+
+
+def backoff_seconds(settings: Settings, attempt: int) -> float:
+    """The wait after failed attempt number ``attempt`` (1-based): doubling, capped."""
+    return min(settings.webhook_backoff_seconds * 2 ** (attempt - 1),
+               settings.webhook_backoff_max_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    state: str  # "skipped" (nothing due), "delivered", "pending" (retry later), "failed"
+    attempt: int = 0
+    status: int | None = None  # HTTP status of this attempt
+    retry_in: float | None = None  # seconds until the next attempt, when pending
+
+
+def deliver(ctx: Context, job_id: str, *, now: datetime | None = None) -> Delivery:
+    """One attempt at a finished job's webhook, if one is due; records the outcome."""
+    s = ctx.settings
+    now = now or utcnow()
+    # Long enough for the POST to finish or time out; after it, a died attempt is due again.
+    hold = 3 * s.webhook_timeout_seconds + 30
+    with ctx.sessions() as session:
+        attempt = webhooks.begin_attempt(session, job_id, hold_seconds=hold, now=now)
+        if attempt is None:
+            return Delivery(state="skipped")
+        job = attempt.job
+        assert job.webhook_url is not None
+        body = json.dumps(payload(job), separators=(",", ":"), sort_keys=True).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": USER_AGENT,
+            "Kiln-Delivery": job.id,  # stable across attempts: receivers drop repeats by it
+            "Kiln-Event": f"job.{job.state}",
+            "Kiln-Attempt": str(attempt.number),
+        }
+        if s.webhook_secret:
+            headers[signing.HEADER] = signing.sign(s.webhook_secret, body)
+        status: int | None = None
+        error: str | None = None
+        started = time.monotonic()
+        try:
+            with httpx.Client(timeout=s.webhook_timeout_seconds, follow_redirects=False) as http:
+                status = http.post(job.webhook_url, content=body, headers=headers).status_code
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        # The wait before a retry counts from the end of this attempt.
+        finished = now + timedelta(seconds=time.monotonic() - started)
+        if status is not None and 200 <= status < 300:
+            webhooks.record_result(session, job_id, attempt.number, delivered=True,
+                                   status=status, now=finished)
+            return Delivery(state="delivered", attempt=attempt.number, status=status)
+        if status is not None:
+            error = f"the receiver answered HTTP {status}"
+        # 410 Gone: the receiver says this endpoint will never take it; stop asking.
+        give_up = attempt.number >= s.webhook_max_attempts or status == 410
+        retry_in = None if give_up else backoff_seconds(s, attempt.number)
+        state = webhooks.record_result(
+            session, job_id, attempt.number, delivered=False, status=status, error=error,
+            retry_at=None if retry_in is None else finished + timedelta(seconds=retry_in),
+            now=finished)
+        log.warning("webhook for job %s, attempt %d: %s%s", job_id, attempt.number, error,
+                    "; giving up" if give_up else f"; retrying in {retry_in:.0f} s")
+        if state is None:  # a later attempt took over while this one overran its hold
+            return Delivery(state="skipped", attempt=attempt.number, status=status)
+        return Delivery(state=state, attempt=attempt.number, status=status, retry_in=retry_in)
+
+
+def sweep(ctx: Context, *, now: datetime | None = None, limit: int = 500) -> list[str]:
+    """Ids of finished jobs whose webhook is owed and due but whose task seems lost."""
+    now = now or utcnow()
+    with ctx.sessions() as session:
+        return webhooks.owed(
+            session, since=now - timedelta(hours=ctx.settings.webhook_sweep_hours),
+            now=now - timedelta(seconds=SWEEP_GRACE_SECONDS), limit=limit)
+
+
+@dataclass(frozen=True, slots=True)
+class Reaping:
+    requeued: list[str]
+    dead: list[str]
+    cancelled: list[str]
+    expired: list[str]
+    notify: list[str]  # newly finished jobs that have a webhook_url
+
+
+def reap_leases(ctx: Context, *, now: datetime | None = None) -> Reaping:
+    """`storage.jobs.reap`, then the requeued jobs back into the ready index."""
+    with ctx.sessions() as session:
+        out = jobs.reap(session, now=now)
+        notify = webhooks.has_webhook(session, out.dead + out.cancelled + out.expired)
+    if out.requeued:
+        try:
+            ready.add(ctx.redis, ctx.settings.redis_prefix, out.requeued)
+        except RedisError:
+            # The rows are queued already; the next reconciliation puts them in the index.
+            log.warning("Redis unavailable; %d requeued jobs wait for reconciliation",
+                        len(out.requeued), exc_info=True)
+    return Reaping(requeued=[j.id for j in out.requeued], dead=out.dead,
+                   cancelled=out.cancelled, expired=out.expired, notify=notify)
+
+
+def reconcile(ctx: Context) -> ready.Rebuilt:
+    with ctx.sessions() as session:
+        return ready.rebuild_ready_index(session, ctx.redis, ctx.settings.redis_prefix)
+
+
+def clean_up(ctx: Context, *, now: datetime | None = None) -> list[str]:
+    """Deletes the outputs of jobs finished more than ``retention_days`` ago and marks their rows
+    purged; returns their ids. ``retention_days = 0`` keeps everything."""
+    days = ctx.settings.retention_days
+    if days == 0:
+        return []
+    now = now or utcnow()
+    cutoff = now - timedelta(days=days)
+    purged: list[str] = []
+    while True:
+        with ctx.sessions() as session:
+            found = retention.expired_outputs(session, finished_before=cutoff,
+                                              limit=_CLEAN_UP_CHUNK)
+            for outputs in found:
+                for key in outputs.keys:  # objects first: see storage.retention
+                    ctx.store.delete(key)
+                if retention.mark_purged(session, outputs, now=now):
+                    purged.append(outputs.job_id)
+        if len(found) < _CLEAN_UP_CHUNK:
+            return purged
+
+
+# ---- the tasks ----------------------------------------------------------------------------------
+
+@app.task(name="kiln.deliver_webhook", bind=True)
+def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
+    outcome = deliver(_context(), job_id)
+    if outcome.retry_in is not None:
+        # The database counts the attempts and gives up; Celery only carries the wait.
+        raise self.retry(countdown=outcome.retry_in, max_retries=None)
+    return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
+
+
+@app.task(name="kiln.sweep_webhooks")
+def sweep_webhooks() -> int:
+    owed = sweep(_context())
+    for job_id in owed:
+        deliver_webhook.delay(job_id)
+    return len(owed)
+
+
+@app.task(name="kiln.reap_leases")
+def reap_leases_task() -> dict[str, int]:
+    out = reap_leases(_context())
+    for job_id in out.notify:
+        deliver_webhook.delay(job_id)
+    return {"requeued": len(out.requeued), "dead": len(out.dead),
+            "cancelled": len(out.cancelled), "expired": len(out.expired)}
+
+
+@app.task(name="kiln.reconcile_ready_index")
+def reconcile_ready_index() -> dict[str, int]:
+    out = reconcile(_context())
+    return {"added": out.added, "removed": out.removed}
+
+
+@app.task(name="kiln.clean_up_outputs")
+def clean_up_outputs() -> int:
+    return len(clean_up(_context()))
+
+
+def enqueue_job_finished(session: Session, job_id: str) -> bool:
+    """Asks for the webhook of a job that just reached a final state (call after the commit).
+
+    Best effort: the sweeper delivers anyway, so no error here (Redis down, no broker configured)
+    may disturb the caller. True if a task was enqueued.
+    """
+    try:
+        if app.conf.broker_url is None or not webhooks.has_webhook(session, [job_id]):
+            return False
+        with app.connection_for_write() as conn:
+            # One try, no waiting between retries: a worker group must not stall on Redis.
+            conn.ensure_connection(max_retries=0, interval_start=0, timeout=5)
+            deliver_webhook.apply_async((job_id,), connection=conn, retry=False)
+        return True
+    except Exception:  # any failure: broker, network, database; the sweeper is the safety net
+        log.warning("could not enqueue the webhook of job %s; the sweeper will send it", job_id,
+                    exc_info=True)
+        return False

@@ -1,0 +1,66 @@
+"""Helpers for the task tests: settings, and jobs finished the way a worker group finishes them
+(guarded claim and finish through the repository)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from kiln.settings import Settings
+from kiln.tasks import Context
+from storage import jobs
+from storage.jobs import JobSpec
+from storage.models import Job, User
+from storage.outputs import thumbnail_key, video_key
+from storage.users import get_or_create_user
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+SECRET = "s3cr3t-for-tests-only"
+
+
+def make_settings(db_url: str, prefix: str, tmp_path: Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = dict(
+        database_url=db_url, redis_url="redis://127.0.0.1:6379/0", redis_prefix=prefix,
+        output_dir=tmp_path / "outputs", webhook_secret=SECRET, webhook_timeout_seconds=5,
+        webhook_max_attempts=3, webhook_backoff_seconds=2, webhook_backoff_max_seconds=60,
+    )
+    values.update(overrides)
+    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+
+
+def submit(session: Session, *, now: datetime = T0, owner: str = "alice", **fields: Any) -> Job:
+    values: dict[str, Any] = dict(model="kiln-tiny", prompt="a red circle", width=64, height=64,
+                                  num_frames=9, fps=8, num_inference_steps=4, guidance_scale=5.0,
+                                  seed=1)
+    values.update(fields)
+    owner_row = user(session, owner)
+    return jobs.create_job(session, owner_row, JobSpec(**values), request_hash="h", now=now).job
+
+
+def succeed(ctx: Context, session: Session, job_id: str, *, now: datetime = T0) -> None:
+    """Claims and finishes the job with a video and thumbnail in the store."""
+    claim = jobs.claim_job(session, job_id, worker_group_id="g", rank=0, lease_seconds=60,
+                           now=now)
+    assert claim is not None
+    ctx.store.put_bytes(video_key(job_id), b"mp4")
+    ctx.store.put_bytes(thumbnail_key(job_id), b"png")
+    assert jobs.finish_succeeded(session, job_id, claim.attempt_token,
+                                 video_key=video_key(job_id), thumbnail_key=thumbnail_key(job_id),
+                                 now=now)
+
+
+def fail(session: Session, job_id: str, *, now: datetime = T0) -> None:
+    claim = jobs.claim_job(session, job_id, worker_group_id="g", rank=0, lease_seconds=60,
+                           now=now)
+    assert claim is not None
+    assert jobs.fail_job(session, job_id, claim.attempt_token, error="the prompt was refused",
+                         code="bad_prompt", now=now) is not None
+
+
+def user(session: Session, name: str = "alice") -> User:
+    found = get_or_create_user(session, name)
+    session.commit()
+    return found

@@ -1,0 +1,195 @@
+"""Webhook delivery against a real HTTP receiver: signature, retries with backoff, giving up, and
+the sweeper that finds deliveries whose task was lost (the job row is the outbox)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from multirank import free_port
+from servers import Receiver
+from task_helpers import SECRET, fail, make_settings, submit, succeed, user
+
+from kiln import signing, tasks
+from kiln.settings import get_settings
+from kiln.tasks import Context, deliver, sweep
+from storage import jobs, webhooks
+from storage.models import utcnow
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with Receiver(fail_first=2) as r:
+        yield r
+
+
+def test_failed_posts_are_retried_with_doubling_backoff_until_a_signed_delivery_succeeds(
+        ctx: Context, receiver: Receiver) -> None:
+    t = utcnow() - timedelta(minutes=1)
+    with ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url=receiver.url, metadata={"ref": "42"}).id
+        succeed(ctx, s, job_id, now=t)
+
+    first = deliver(ctx, job_id, now=t)
+    assert (first.state, first.attempt, first.status, first.retry_in) == ("pending", 1, 500, 2.0)
+    # Before the backoff has passed nothing is sent.
+    assert deliver(ctx, job_id, now=t + timedelta(seconds=1)).state == "skipped"
+    second = deliver(ctx, job_id, now=t + timedelta(seconds=3))
+    assert (second.state, second.attempt, second.retry_in) == ("pending", 2, 4.0)
+    third = deliver(ctx, job_id, now=t + timedelta(seconds=10))
+    assert (third.state, third.attempt, third.status) == ("delivered", 3, 200)
+    # Delivered once is delivered for good.
+    assert deliver(ctx, job_id, now=t + timedelta(minutes=5)).state == "skipped"
+
+    got = receiver.requests
+    assert [r.answered for r in got] == [500, 500, 200]
+    assert [r.headers["Kiln-Attempt"] for r in got] == ["1", "2", "3"]
+    assert {r.headers["Kiln-Delivery"] for r in got} == {job_id}
+    assert {r.headers["Kiln-Event"] for r in got} == {"job.succeeded"}
+    for r in got:
+        assert r.path == "/hook" and r.headers["Content-Type"] == "application/json"
+        assert signing.verify(SECRET, r.body, r.headers[signing.HEADER])
+        assert not signing.verify("another secret", r.body, r.headers[signing.HEADER])
+        assert not signing.verify(SECRET, r.body + b" ", r.headers[signing.HEADER])
+    body = json.loads(got[-1].body)
+    assert body["type"] == "job.succeeded"
+    assert body["job"]["id"] == job_id and body["job"]["status"] == "succeeded"
+    assert body["job"]["video_url"] == f"/v1/jobs/{job_id}/video"
+    assert body["job"]["metadata"] == {"ref": "42"} and body["job"]["error"] is None
+    with ctx.sessions() as s:
+        row = webhooks.delivery(s, job_id)
+        assert row is not None
+        assert (row.state, row.attempts, row.last_status, row.last_error) == (
+            "delivered", 3, 200, None)
+
+
+def test_delivery_gives_up_after_max_attempts_and_records_why(ctx: Context) -> None:
+    t = utcnow() - timedelta(minutes=1)
+    with Receiver(fail_first=100, fail_status=503) as receiver, ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url=receiver.url).id
+        fail(s, job_id, now=t)
+        outcomes = [deliver(ctx, job_id, now=t + timedelta(minutes=i)).state for i in range(5)]
+        assert outcomes == ["pending", "pending", "failed", "skipped", "skipped"]
+        assert len(receiver.requests) == 3  # webhook_max_attempts
+        body = json.loads(receiver.requests[0].body)
+        assert body["type"] == "job.failed"
+        assert body["job"]["error"] == {"code": "bad_prompt", "message": "the prompt was refused"}
+        row = webhooks.delivery(s, job_id)
+        assert row is not None
+        assert (row.state, row.attempts, row.last_status) == ("failed", 3, 503)
+        assert row.last_error == "the receiver answered HTTP 503"
+
+
+def test_410_gone_stops_retrying_at_once(ctx: Context) -> None:
+    t = utcnow() - timedelta(minutes=1)
+    with Receiver(fail_first=1, fail_status=410) as receiver, ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url=receiver.url).id
+        succeed(ctx, s, job_id, now=t)
+        out = deliver(ctx, job_id, now=t)
+        assert (out.state, out.attempt, out.status, out.retry_in) == ("failed", 1, 410, None)
+        assert deliver(ctx, job_id, now=t + timedelta(hours=1)).state == "skipped"
+        assert len(receiver.requests) == 1
+
+
+def test_an_unreachable_receiver_is_a_failed_attempt_that_is_retried(ctx: Context) -> None:
+    t = utcnow() - timedelta(minutes=1)
+    with ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url=f"http://127.0.0.1:{free_port()}/nobody").id
+        succeed(ctx, s, job_id, now=t)
+        out = deliver(ctx, job_id, now=t)
+        assert (out.state, out.status, out.retry_in) == ("pending", None, 2.0)
+        row = webhooks.delivery(s, job_id)
+        assert row is not None and row.last_error is not None
+        assert row.last_error.startswith("ConnectError")
+
+
+def test_deliveries_are_unsigned_without_a_secret(db: object, redis_client: object,
+                                                  redis_prefix: str, tmp_path: object,
+                                                  ctx: Context, receiver: Receiver) -> None:
+    ctx.settings = make_settings(ctx.settings.database_url, redis_prefix, tmp_path,  # type: ignore[arg-type]
+                                 webhook_secret=None)
+    receiver.fail_first = 0
+    t = utcnow() - timedelta(minutes=1)
+    with ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url=receiver.url).id
+        succeed(ctx, s, job_id, now=t)
+    assert deliver(ctx, job_id, now=t).state == "delivered"
+    assert signing.HEADER not in receiver.requests[0].headers
+
+
+def test_an_attempt_in_flight_blocks_a_second_one_until_its_hold_runs_out(
+        ctx: Context, receiver: Receiver) -> None:
+    t = utcnow() - timedelta(minutes=10)
+    receiver.fail_first = 0
+    with ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url=receiver.url).id
+        succeed(ctx, s, job_id, now=t)
+        # A task takes the attempt and its process dies before posting.
+        assert webhooks.begin_attempt(s, job_id, hold_seconds=45, now=t) is not None
+    assert deliver(ctx, job_id, now=t + timedelta(seconds=10)).state == "skipped"
+    assert receiver.requests == []
+    out = deliver(ctx, job_id, now=t + timedelta(seconds=50))
+    assert (out.state, out.attempt) == ("delivered", 2)
+    assert len(receiver.requests) == 1
+
+
+def test_the_sweeper_finds_owed_webhooks_from_the_database_alone(
+        ctx: Context, receiver: Receiver) -> None:
+    now = utcnow()
+    recent = now - timedelta(minutes=5)
+    url = receiver.url
+    with ctx.sessions() as s:
+        never_sent = submit(s, now=recent, webhook_url=url).id
+        succeed(ctx, s, never_sent, now=recent)
+        failed_job = submit(s, now=recent, webhook_url=url).id
+        fail(s, failed_job, now=recent)
+        no_hook = submit(s, now=recent).id
+        succeed(ctx, s, no_hook, now=recent)
+        still_queued = submit(s, now=recent, webhook_url=url).id
+        too_old = submit(s, now=now - timedelta(days=2), webhook_url=url).id
+        succeed(ctx, s, too_old, now=now - timedelta(days=2))
+        just_finished = submit(s, now=now, webhook_url=url).id
+        succeed(ctx, s, just_finished, now=now)  # its own task is on its way: leave it
+        delivered = submit(s, now=recent, webhook_url=url).id
+        succeed(ctx, s, delivered, now=recent)
+        in_flight = submit(s, now=recent, webhook_url=url).id
+        succeed(ctx, s, in_flight, now=recent)
+        cancelled = submit(s, now=recent, webhook_url=url).id
+        assert jobs.request_cancel(s, cancelled, user(s), now=recent) is not None
+    receiver.fail_first = 0
+    assert deliver(ctx, delivered, now=recent).state == "delivered"
+    with ctx.sessions() as s:
+        assert webhooks.begin_attempt(s, in_flight, hold_seconds=3600, now=now) is not None
+
+    owed = sweep(ctx, now=now)
+    assert sorted(owed) == sorted([never_sent, failed_job, cancelled])
+    assert still_queued not in owed and too_old not in owed and no_hook not in owed
+    # Once the sweep's deliveries went out, nothing is owed any more.
+    for job_id in owed:
+        assert deliver(ctx, job_id, now=now).state == "delivered"
+    assert sweep(ctx, now=now) == []
+
+
+def test_enqueue_job_finished_skips_jobs_without_a_webhook_and_never_raises(
+        ctx: Context, redis_prefix: str, tmp_path: object) -> None:
+    t = utcnow() - timedelta(minutes=1)
+    with ctx.sessions() as s:
+        plain = submit(s, now=t).id
+        succeed(ctx, s, plain, now=t)
+        hooked = submit(s, now=t, webhook_url="http://127.0.0.1:9/hook").id
+        succeed(ctx, s, hooked, now=t)
+        queued = submit(s, now=t, webhook_url="http://127.0.0.1:9/hook").id
+        # A broker nobody listens on: the worker group must carry on regardless.
+        tasks.configure(make_settings(ctx.settings.database_url, redis_prefix, tmp_path,  # type: ignore[arg-type]
+                                      redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+        try:
+            started = time.monotonic()
+            assert tasks.enqueue_job_finished(s, plain) is False
+            assert tasks.enqueue_job_finished(s, queued) is False
+            assert tasks.enqueue_job_finished(s, hooked) is False
+            assert time.monotonic() - started < 5
+        finally:
+            tasks.configure(get_settings())
