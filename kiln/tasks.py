@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -105,10 +106,24 @@ def _safe(text: str) -> str:
 def configure(settings: Settings) -> None:
     """Points the app at ``settings``' Redis. Done at import with the environment's settings;
     a process that holds other settings (tests) calls it again."""
+    _forget_connections()
     app.conf.update(celery_config(settings))
-    # Drop connections made under the previous configuration.
-    app.close()
+
+
+def _forget_connections() -> None:
+    # Celery caches its broker pool and result backend on the app; close and drop both so the
+    # next use connects under the new configuration.
+    if app._pool is not None:
+        app._pool.force_close_all()
+        app._pool = None
     app.amqp._producer_pool = None
+    backend = app._backend
+    if backend is not None:
+        client = getattr(backend, "client", None)
+        if client is not None:
+            client.close()
+        app._backend_cache = None
+        app._local = threading.local()
 
 
 configure(get_settings())
@@ -258,14 +273,13 @@ def reap_leases(ctx: Context, *, now: datetime | None = None) -> Reaping:
     """`storage.jobs.reap`, then the requeued jobs back into the ready index."""
     with ctx.sessions() as session:
         out = jobs.reap(session, now=now)
-        notify = webhooks.has_webhook(session, out.dead + out.cancelled + out.expired)
-    if out.requeued:
         try:
             ready.add(ctx.redis, ctx.settings.redis_prefix, out.requeued)
         except RedisError:
             # The rows are queued already; the next reconciliation puts them in the index.
             log.warning("Redis unavailable; %d requeued jobs wait for reconciliation",
                         len(out.requeued), exc_info=True)
+        notify = webhooks.has_webhook(session, out.dead + out.cancelled + out.expired)
     return Reaping(requeued=[j.id for j in out.requeued], dead=out.dead,
                    cancelled=out.cancelled, expired=out.expired, notify=notify)
 

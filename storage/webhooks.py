@@ -126,7 +126,5 @@ def has_webhook(session: Session, job_ids: list[str]) -> list[str]:
     """Those of ``job_ids`` that are finished and have a webhook_url (what to enqueue)."""
     if not job_ids:
         return []
-    ids = list(session.scalars(select(Job.id).where(
+    return list(session.scalars(select(Job.id).where(
         and_(Job.id.in_(job_ids), Job.state.in_(_TERMINAL), Job.webhook_url.is_not(None)))))
-    session.rollback()
-    return ids

@@ -31,13 +31,15 @@ def make_settings(db_url: str, prefix: str, tmp_path: Path, **overrides: Any) ->
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
 
 
-def submit(session: Session, *, now: datetime = T0, owner: str = "alice", **fields: Any) -> Job:
+def submit(session: Session, *, now: datetime = T0, owner: str = "alice", max_attempts: int = 3,
+           **fields: Any) -> Job:
     values: dict[str, Any] = dict(model="kiln-tiny", prompt="a red circle", width=64, height=64,
                                   num_frames=9, fps=8, num_inference_steps=4, guidance_scale=5.0,
                                   seed=1)
     values.update(fields)
     owner_row = user(session, owner)
-    return jobs.create_job(session, owner_row, JobSpec(**values), request_hash="h", now=now).job
+    return jobs.create_job(session, owner_row, JobSpec(**values), request_hash="h",
+                           max_attempts=max_attempts, now=now).job
 
 
 def succeed(ctx: Context, session: Session, job_id: str, *, now: datetime = T0) -> None:

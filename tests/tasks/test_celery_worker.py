@@ -1,0 +1,61 @@
+"""A real Celery worker process on kiln's Redis (under a prefix of its own) runs a task that was
+enqueued with ``.delay`` from another process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers import Receiver
+from task_helpers import SECRET, make_settings, submit, succeed
+
+from kiln import signing, tasks
+from kiln.settings import get_settings
+from kiln.tasks import Context
+from storage import webhooks
+from storage.models import utcnow
+
+ROOT = Path(__file__).resolve().parents[2]
+CELERY = str(Path(sys.executable).with_name("celery"))
+
+
+@pytest.mark.parametrize("db", ["postgresql"], indirect=True)
+def test_a_webhook_task_enqueued_with_delay_is_delivered_by_a_real_worker(
+        db: Any, ctx: Context, redis_prefix: str, tmp_path: Path) -> None:
+    settings = make_settings(db.url, redis_prefix, tmp_path)
+    env = {**os.environ, "KILN_DATABASE_URL": db.url, "REDIS_URL": str(settings.redis_url),
+           "KILN_REDIS_PREFIX": redis_prefix, "KILN_WEBHOOK_SECRET": SECRET,
+           "KILN_OUTPUT_DIR": str(settings.output_dir)}
+    log_path = tmp_path / "celery.log"
+    with Receiver() as receiver, open(log_path, "wb") as log:
+        with ctx.sessions() as s:
+            job_id = submit(s, now=utcnow(), webhook_url=receiver.url).id
+            succeed(ctx, s, job_id, now=utcnow())
+        worker = subprocess.Popen(
+            [CELERY, "-A", "kiln.tasks", "worker", "--pool", "solo", "--loglevel", "INFO",
+             "--without-gossip", "--without-mingle", "--without-heartbeat"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        tasks.configure(settings)
+        try:
+            result = tasks.deliver_webhook.delay(job_id)
+            outcome = result.get(timeout=60)
+            got = receiver.wait_for(1)
+        finally:
+            tasks.configure(get_settings())
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+    assert outcome == {"state": "delivered", "attempt": 1, "status": 200}, log_path.read_text()
+    assert len(got) == 1 and got[0].headers["Kiln-Delivery"] == job_id
+    assert signing.verify(SECRET, got[0].body, got[0].headers[signing.HEADER])
+    with ctx.sessions() as s:
+        row = webhooks.delivery(s, job_id)
+        assert row is not None and row.state == "delivered"
