@@ -89,29 +89,32 @@ class DiffusersVideoPipeline(VideoPipeline):
 
     # ---- the shared decode ------------------------------------------------------------
 
-    def _decode_batch(self, latents: torch.Tensor) -> torch.Tensor:
-        """[b, ...] final latents -> [b, N, H, W, 3] float frames in [0, 1]."""
+    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """[1, ...] final latents -> [1, 3, N, H, W] video in [-1, 1]."""
         raise NotImplementedError
-
-    def _vae_bytes_per_request(self, r: VideoRequest) -> int:
-        """Decode transients of one request: the widest full-resolution activation of the
-        decoder for a causal chunk of frames, a few times over (input, output, norm temp), plus
-        the decoded clip itself."""
-        vae_cfg = self.pipe.vae.config
-        width = vae_cfg.get("base_dim") or vae_cfg.get("block_out_channels", [128])[-1]
-        chunk = 4 * r.height * r.width * 4 * width * 4
-        return chunk + 2 * r.num_frames * r.height * r.width * 3 * 4
 
     @torch.no_grad()
     def decode(self, state: DenoiseState) -> torch.Tensor:
-        r = state.request
-        latents = self._final_latents(state)
-        plan = plan_tiles(latents.shape[0], self._vae_bytes_per_request(r),
-                          free_bytes=self.decode_free_bytes, device=self.device)
+        """[N, H, W, 3] frames in [0, 1].
+
+        Both VAEs decode their latent frames in chunks of their own (Wan: one latent frame at a
+        time with a causal cache; CogVideoX: ``frame_batch_size``), so their transients do not
+        grow with the clip; what does is diffusers' post-processing (denormalise, clamp, channels
+        last, float32 copies of the whole video), so kiln runs that same code on tiles of frames
+        sized by free memory. It is per frame, so the bits equal one pass."""
+        video = self._vae_decode(self._final_latents(state))
+        frames_NCHW = video[0].permute(1, 0, 2, 3)
+        n, c, h, w = frames_NCHW.shape
+        # Per frame: the float32 result plus two intermediate copies of the frame.
+        plan = plan_tiles(n, 3 * c * h * w * 4, free_bytes=self.decode_free_bytes,
+                          device=self.device)
         self.last_decode_plan = plan
-        out = torch.empty((latents.shape[0], r.num_frames, r.height, r.width, 3))
-        map_tiles(self._decode_batch, latents, out, plan)
-        return out[0]
+        processor = self.pipe.video_processor
+
+        def postprocess(f: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(processor.postprocess(f, output_type="np"))
+
+        return map_tiles(postprocess, frames_NCHW, torch.empty((n, h, w, c)), plan)
 
     def _final_latents(self, state: DenoiseState) -> torch.Tensor:
         return state.latents
@@ -210,7 +213,7 @@ class WanVideoPipeline(DiffusersVideoPipeline):
             noise = noise_uncond + state.request.guidance_scale * (noise - noise_uncond)
         state.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
 
-    def _decode_batch(self, latents: torch.Tensor) -> torch.Tensor:
+    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         z = vae.config.z_dim
         latents = latents.to(self.device, dtype=vae.dtype)
@@ -218,9 +221,7 @@ class WanVideoPipeline(DiffusersVideoPipeline):
                                                                             latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(
             latents.device, latents.dtype)
-        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
-        frames = self.pipe.video_processor.postprocess_video(video, output_type="np")
-        return torch.from_numpy(frames)
+        return vae.decode(latents / inv_std + mean, return_dict=False)[0]
 
 
 class CogVideoXVideoPipeline(DiffusersVideoPipeline):
@@ -292,10 +293,8 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
     def _final_latents(self, state: DenoiseState) -> torch.Tensor:
         return state.latents[:, state.extra["extra_frames"]:]
 
-    def _decode_batch(self, latents: torch.Tensor) -> torch.Tensor:
-        video = self.pipe.decode_latents(latents)
-        frames = self.pipe.video_processor.postprocess_video(video=video, output_type="np")
-        return torch.from_numpy(frames)
+    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.pipe.decode_latents(latents)
 
 
 _FAMILIES: tuple[type[DiffusersVideoPipeline], ...] = (WanVideoPipeline, CogVideoXVideoPipeline)

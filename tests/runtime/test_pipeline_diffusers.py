@@ -135,6 +135,21 @@ def test_wan22_steps_gather_both_experts_every_step(model_dirs):
         pipe.close()
 
 
+def test_decode_in_one_frame_tiles_equals_decode_in_one_pass(model_dirs):
+    pipe = DiffusersVideoPipeline.load(model_dirs["wan"])
+    try:
+        state = pipe.prepare(VideoRequest(prompt="a cat", num_steps=1))
+        pipe.step(state)
+        whole = pipe.decode(state)
+        assert pipe.last_decode_plan.num_tiles == 1
+        pipe.decode_free_bytes = 1  # one frame per tile
+        tiled = pipe.decode(state)
+        assert pipe.last_decode_plan.num_tiles == 9
+    finally:
+        pipe.close()
+    assert torch.equal(tiled, whole)
+
+
 def test_unsupported_sizes_are_refused_with_the_rule(model_dirs):
     pipe = DiffusersVideoPipeline.load(model_dirs["wan"])
     try:
