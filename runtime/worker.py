@@ -317,6 +317,11 @@ class Coordinator:
                 job = session.get(Job, st.job_id)
                 if job is not None:
                     ready.add(self.redis, self.settings.redis_prefix, [job])
+        # After the commit: its webhook goes out now rather than at the next sweep (best effort;
+        # this never raises, and does nothing for a job that is not finished or has no webhook).
+        from kiln.tasks import enqueue_job_finished
+
+        enqueue_job_finished(session, st.job_id)
 
     def report(self, ranks: list[dict[str, Any]], state: str = "ready") -> None:
         from storage.workers import GroupReport, report_group
