@@ -1,0 +1,49 @@
+"""The worker group's coordinator asks for a finished job's webhook right after the job's final
+state is committed (the sweeper remains the safety net)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from task_helpers import make_settings, submit
+
+from kiln import tasks
+from kiln.settings import get_settings
+from kiln.tasks import Context
+from runtime.worker import Coordinator, RankStatus, WorkerConfig
+from storage import jobs
+from storage.models import Job
+from storage.outputs import video_key
+
+
+def test_finishing_a_job_with_a_webhook_enqueues_its_delivery_and_others_enqueue_nothing(
+        db: Any, ctx: Context, redis_prefix: str, tmp_path: Path) -> None:
+    settings = make_settings(db.url, redis_prefix, tmp_path)
+    with ctx.sessions() as s:
+        hooked = submit(s, webhook_url="http://127.0.0.1:9/hook").id
+        plain = submit(s).id
+        tokens = {}
+        for job_id in (hooked, plain):
+            claim = jobs.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=600)
+            assert claim is not None
+            tokens[job_id] = claim.attempt_token
+    tasks.configure(settings)
+    coordinator = Coordinator(settings, WorkerConfig(), 1, "allgather", "cpu")
+    try:
+        coordinator.record([
+            RankStatus(rank=0, job_id=job_id, attempt_token=tokens[job_id], step=4, total=4,
+                       outcome="succeeded", video_key=video_key(job_id))
+            for job_id in (hooked, plain)])
+    finally:
+        tasks.configure(get_settings())
+        coordinator.redis.close()
+        coordinator.sessions.kw["bind"].dispose()
+
+    with ctx.sessions() as s:
+        assert {s.get(Job, j).state for j in (hooked, plain)} == {"succeeded"}  # type: ignore[union-attr]
+    # The broker queue (under the deployment's prefix) holds exactly one task: hooked's webhook.
+    queued = [json.loads(m) for m in ctx.redis.lrange(f"{redis_prefix}celery:celery", 0, -1)]
+    assert [(m["headers"]["task"], m["headers"]["argsrepr"]) for m in queued] == [
+        ("kiln.deliver_webhook", repr((hooked,)))]
