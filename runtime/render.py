@@ -143,13 +143,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rank_threads(world: int) -> int:
+    """CPU threads per rank: the ranks share the machine's cores (without a limit each would
+    start one thread per core)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
 def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
                 messages: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    # The ranks share the machine's cores; without this each would start one thread per core.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(rank_threads(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kiln.cli import app
+from runtime.render import rank_threads
 from storage.video import read_video
 
 ARGS = ["render", "--model", "kiln-tiny", "--prompt", "a red circle moving left", "--size",
@@ -35,7 +37,13 @@ def test_render_with_the_same_seed_gives_the_same_frames(tmp_path):
 
 @pytest.mark.slow
 def test_render_on_two_ranks_with_sharded_weights_writes_the_same_video(tmp_path):
-    one = _render(tmp_path, "one.mp4")
+    # Same CPU threads as each of the two ranks: kernels split reductions by thread count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(2))
+    try:
+        one = _render(tmp_path, "one.mp4")
+    finally:
+        torch.set_num_threads(threads)
     two = _render(tmp_path, "two.mp4", "--dp", "2", "--prompt", "a blue square")
     assert two.read_bytes() == one.read_bytes()  # rank 0 renders the first prompt
     second = read_video(tmp_path / "two-1.mp4")  # rank 1 renders the second

@@ -19,7 +19,7 @@ from runtime.models.synthetic import (
 )
 from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.diffusers_video import DiffusersVideoPipeline
-from runtime.render import generate_on_ranks
+from runtime.render import generate_on_ranks, rank_threads
 
 SPECS = {
     "wan": SyntheticSpec(family="wan"),
@@ -70,10 +70,10 @@ def test_two_ranks_with_allgather_equal_the_diffusers_pipeline(model_dirs, name)
     # Rank 0 renders, rank 1 only takes part in the gathers (idle steps).
     frames = generate_on_ranks(str(model_dirs[name]), [REQUEST], dp=2)
     assert frames[1] is None
-    # Each of the two ranks computes with one thread (cores // ranks). CPU kernels split their
-    # reductions by thread count, so the reference must use one thread too to compare bits.
+    # CPU kernels split their reductions by thread count, so the reference computes with the
+    # threads each rank has to compare bits.
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(rank_threads(2))
     try:
         ref = reference_frames(name)
     finally:
@@ -90,7 +90,7 @@ def test_wan22_ranks_in_different_expert_phases_stay_in_step(model_dirs):
                 VideoRequest(prompt="a blue cat", num_steps=6, seed=2)]
     frames = generate_on_ranks(str(model_dirs["wan22"]), requests, dp=2, timeout_s=120)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as on each rank
+    torch.set_num_threads(rank_threads(2))  # as on each rank
     try:
         refs = [reference_frames("wan22", r) for r in requests]
     finally:
