@@ -16,7 +16,6 @@ Besides `scheduler.index`'s keys this module keeps ``P + "sched:cost"``, the lea
 
 from __future__ import annotations
 
-import heapq
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -27,21 +26,14 @@ from sqlalchemy.orm import Session
 
 from scheduler import index
 from scheduler.cost import CostModel, tokens
-from scheduler.policy import (
-    TOP_LEVEL,
-    JobResult,
-    Policy,
-    PolicyConfig,
-    QueuedJob,
-    RunningJob,
-    level,
-)
+from scheduler.policy import JobResult, Policy, PolicyConfig, QueuedJob, RunningJob
 from storage.jobs import Claim, claim_job
 from storage.models import Job, JobEvent, JobState, utcnow
-from storage.ready import ready_key
+from storage.ready import new_key, ready_key
 
-# A claim that loses a race frees its rank for another candidate, a few times at most.
-MAX_ROUNDS = 3
+# A claim that loses a race (or meets an entry gone stale: a job cancelled while queued) frees
+# its rank for another candidate, a few times at most; every round drops what it found.
+MAX_ROUNDS = 8
 # User queues read per call beyond one per free rank: slack for queues whose head job turns
 # out stale or expired.
 EXTRA_QUEUES = 2
@@ -96,9 +88,20 @@ def claim_for_group(
     ranks = sorted(set(free_ranks))
     if not ranks:
         return []
-    index.ensure_built(session, redis, prefix)
-    index.ingest(session, redis, prefix)
-    costs = load_costs(redis, prefix)
+    # One round trip for the bookkeeping every call needs.
+    pipe = redis.pipeline(transaction=False)
+    pipe.exists(index.built_key(prefix))
+    pipe.lpop(new_key(prefix), index.INGEST_LIMIT)
+    pipe.get(cost_key(prefix))
+    pipe.script_exists(*index.script_shas())
+    built, announced, raw_costs, loaded_scripts = pipe.execute()
+    if not all(loaded_scripts):
+        index.load_scripts(redis)
+    if not built:
+        index.ensure_built(session, redis, prefix)
+    if announced:
+        index.ingest(session, redis, prefix, raw=announced)
+    costs = CostModel.from_state(json.loads(raw_costs)) if raw_costs else CostModel()
     claimed: dict[int, Claim] = {}
     busy = _with_costs(redis, prefix, running)
     for _ in range(MAX_ROUNDS):
@@ -108,25 +111,23 @@ def claim_for_group(
         policy, loaded = candidates(redis, prefix, model, now.timestamp(), len(want), costs,
                                     config)
         plan = policy.schedule(want, model=model, running=busy, now=now.timestamp())
-        done = list(plan.expired)
         for job_id in plan.expired:
             expire_job(session, job_id, now=now)
+        started = []
         for rank, job_id in plan.assignments.items():
             job = loaded[job_id]
             claim = claim_job(session, job_id, worker_group_id=group_id, rank=rank,
                               lease_seconds=lease_seconds, now=now)
-            done.append(job_id)
             if claim is None:  # taken by another group, cancelled, or otherwise not queued
                 continue
             claimed[rank] = claim
-            cost = plan.step_costs[job_id]
-            index.charge(redis, prefix, job_id=job_id, job_class=job.job_class,
-                         owner=job.owner, cost_per_step=cost, num_steps=job.num_steps,
-                         ttl_seconds=CHARGE_TTL_SECONDS)
-            busy.append(RunningJob(job_id=job_id, rank=rank, model=model, cost_per_step=cost,
+            started.append(job)
+            busy.append(RunningJob(job_id=job_id, rank=rank, model=model,
+                                   cost_per_step=plan.step_costs[job_id],
                                    steps_left=job.num_steps))
-        _forget(redis, prefix, [loaded[i] for i in done])
-        if not plan.assignments:
+        _settle(redis, prefix, started, plan.step_costs,
+                [loaded[i] for i in [*plan.expired, *plan.assignments.values()]])
+        if not plan.assignments and not plan.expired:
             break
     return sorted(claimed.items(), key=lambda rc: rc[0])
 
@@ -148,39 +149,32 @@ def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
     level), then one of that user's ``cost_window`` oldest jobs; after each pick the picked
     user's service grows. So the winners of ``num_free`` picks all come from the first
     ``num_free`` user queues in that order, and from their ``cost_window + num_free`` oldest
-    jobs: that, plus a little slack, is all that is read.
+    jobs: that, plus a little slack, is all that is read (`scheduler.index.pick`).
     """
-    heads = index.due_heads(redis, prefix, model, now)
+    jobs, served = index.pick(redis, prefix, model, now=now,
+                              aging_seconds=config.aging_seconds,
+                              num_queues=num_free + EXTRA_QUEUES,
+                              num_jobs=config.cost_window + num_free)
     policy = Policy(config, costs)
-    if not heads:
-        return policy, {}
-    shares = sorted({(c, u) for c, _, u, _ in heads})
-    pipe = redis.pipeline(transaction=False)
-    for c, u in shares:
-        pipe.hget(index.served_key(prefix, c), u)
-    served = {s: float(v) if v is not None else 0.0
-              for s, v in zip(shares, pipe.execute(), strict=True)}
-
-    def order(head: tuple[str, int, str, float]) -> tuple[int, float, float]:
-        c, p, u, due = head
-        lvl = level(c, p, due, now, config.aging_seconds)
-        return -lvl, 0.0 if lvl == TOP_LEVEL else served[(c, u)], due
-
-    best = heapq.nsmallest(num_free + EXTRA_QUEUES, heads, key=order)
-    jobs = index.load(redis, prefix, model, [(c, p, u) for c, p, u, _ in best],
-                      config.cost_window + num_free)
     policy.add_many(jobs)
-    for (c, u), value in served.items():
-        policy.set_served(c, u, value)
+    for (job_class, owner), value in served.items():
+        policy.set_served(job_class, owner, value)
     return policy, {j.job_id: j for j in jobs}
 
 
-def _forget(redis: Redis, prefix: str, jobs: Sequence[QueuedJob]) -> None:
-    if not jobs:
+def _settle(redis: Redis, prefix: str, started: Sequence[QueuedJob],
+            step_costs: dict[str, float], done: Sequence[QueuedJob]) -> None:
+    """One round trip: charge the started jobs to their users, and drop every job the plan
+    touched (started, lost to another group, expired) from both indexes."""
+    if not done:
         return
-    index.remove(redis, prefix, [j.job_id for j in jobs])
     pipe = redis.pipeline(transaction=False)
-    for j in jobs:
+    for job in started:
+        index.charge(pipe, prefix, job_id=job.job_id, job_class=job.job_class,
+                     owner=job.owner, cost_per_step=step_costs[job.job_id],
+                     num_steps=job.num_steps, ttl_seconds=CHARGE_TTL_SECONDS)
+    index.remove(pipe, prefix, [j.job_id for j in done])
+    for j in done:
         pipe.zrem(ready_key(prefix, j.job_class, j.priority), j.job_id)
     pipe.execute()
 

@@ -31,22 +31,23 @@ groups adding and removing at once leave every head right.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
+from redis.client import Pipeline
+from redis.exceptions import NoScriptError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from scheduler.cost import tokens
-from scheduler.policy import QueuedJob
+from scheduler.policy import CLASS_BASE, TOP_LEVEL, QueuedJob
 from storage.models import Job, JobState
 from storage.ready import new_key
 
-CLASSES = ("interactive", "batch")
-PRIORITIES = range(9, -1, -1)
 INGEST_LIMIT = 1000  # ids taken from the new-entries list per call
 _CHUNK = 1000
 
@@ -104,17 +105,75 @@ end
 return removed
 """
 
-_LOAD = """
-local out = {}
-for i, key in ipairs(KEYS) do
-  local r = redis.call('ZRANGE', key, 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
-  local items = {}
-  for j = 1, #r, 2 do
-    items[#items + 1] = r[j]
-    items[#items + 1] = r[j + 1]
-    items[#items + 1] = redis.call('HGET', ARGV[2], r[j]) or ''
+_PICK = """
+local p, model = ARGV[1], ARGV[2]
+local now, aging = tonumber(ARGV[3]), tonumber(ARGV[4])
+local want, count, top_level = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local base = {interactive = tonumber(ARGV[8]), batch = tonumber(ARGV[9])}
+local function level(b, due)
+  local waited = math.max(0, now - due)
+  return math.min(top_level, b + math.floor(waited / aging))
+end
+-- 1. the oldest head of every (class, priority): the highest level each can offer
+local keys, top = {}, -1
+for _, c in ipairs({'interactive', 'batch'}) do
+  for prio = 9, 0, -1 do
+    local key = p .. 'sched:u:' .. model .. ':' .. c .. ':' .. prio
+    local h = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    if #h > 0 and tonumber(h[2]) <= now then
+      local b = base[c] + prio
+      local l = level(b, tonumber(h[2]))
+      keys[#keys + 1] = {key, c, prio, b, l}
+      top = math.max(top, l)
+    end
   end
-  out[i] = items
+end
+-- 2. level by level from the top: the user queues whose head is at that level, least served
+--    first (oldest first at the top level), until `want` queues are picked
+local picked, L = {}, top
+while L >= 0 and #picked < want do
+  local band = {}
+  for _, k in ipairs(keys) do
+    local key, c, prio, b, maxl = k[1], k[2], k[3], k[4], k[5]
+    if maxl >= L and L >= b then
+      local hi, r = now - (L - b) * aging, nil
+      if L < top_level then
+        local lo = '(' .. tostring(now - (L - b + 1) * aging)
+        r = redis.call('ZRANGEBYSCORE', key, lo, hi, 'WITHSCORES')
+      else  -- oldest first: the first `want` of each key are enough
+        r = redis.call('ZRANGEBYSCORE', key, '-inf', hi, 'WITHSCORES', 'LIMIT', 0, want)
+      end
+      for j = 1, #r, 2 do
+        local served = 0
+        if L < top_level then
+          served = tonumber(redis.call('HGET', p .. 'sched:served:' .. c, r[j]) or '0')
+        end
+        band[#band + 1] = {c, prio, r[j], tonumber(r[j + 1]), served}
+      end
+    end
+  end
+  table.sort(band, function(x, y)
+    if x[5] ~= y[5] then return x[5] < y[5] end
+    return x[4] < y[4]
+  end)
+  for i = 1, math.min(#band, want - #picked) do
+    picked[#picked + 1] = band[i]
+  end
+  L = L - 1
+end
+-- 3. each picked queue's `count` oldest jobs with what the policy needs, and the user's service
+local out = {}
+for _, q in ipairs(picked) do
+  local c, prio, user = q[1], q[2], q[3]
+  local qkey = p .. 'sched:q:' .. model .. ':' .. c .. ':' .. prio .. ':' .. user
+  local item = {c, user, redis.call('HGET', p .. 'sched:served:' .. c, user) or '0'}
+  local r = redis.call('ZRANGE', qkey, 0, count - 1, 'WITHSCORES')
+  for j = 1, #r, 2 do
+    item[#item + 1] = r[j]
+    item[#item + 1] = r[j + 1]
+    item[#item + 1] = redis.call('HGET', p .. 'sched:job', r[j]) or ''
+  end
+  out[#out + 1] = item
 end
 return out
 """
@@ -131,6 +190,34 @@ redis.call('SET', p .. 'sched:charge:' .. ARGV[5],
            cjson.encode({class, user, tonumber(estimate), tonumber(cost)}), 'EX', tonumber(ARGV[6]))
 return 1
 """
+
+
+_SCRIPTS = {name: (text, hashlib.sha1(text.encode()).hexdigest())
+            for name, text in (("add", _ADD), ("remove", _REMOVE), ("pick", _PICK),
+                               ("charge", _CHARGE))}
+
+
+def _run(redis: Redis | Pipeline, name: str, *args: Any) -> Any:
+    """A script by its SHA (the text goes over the wire only when Redis lacks it). In a
+    pipeline the script must already be loaded (`load_scripts`)."""
+    text, sha = _SCRIPTS[name]
+    if isinstance(redis, Pipeline):
+        return redis.evalsha(sha, 0, *args)
+    try:
+        return redis.evalsha(sha, 0, *args)
+    except NoScriptError:
+        return redis.eval(text, 0, *args)
+
+
+def script_shas() -> list[str]:
+    return [sha for _, sha in _SCRIPTS.values()]
+
+
+def load_scripts(redis: Redis) -> None:
+    shas = [sha for _, sha in _SCRIPTS.values()]
+    for (text, _), present in zip(_SCRIPTS.values(), redis.script_exists(*shas), strict=True):
+        if not present:
+            redis.script_load(text)
 
 
 def queue_name(model: str, job_class: str, priority: int) -> str:
@@ -182,23 +269,25 @@ def add(redis: Redis, prefix: str, jobs: Iterable[QueuedJob]) -> int:
         args += [j.job_id, q, j.owner, j.job_class, repr(j.due), meta]
     added = 0
     for start in range(0, len(args), 6 * _CHUNK):
-        added += int(redis.eval(_ADD, 0, prefix, *args[start:start + 6 * _CHUNK]))
+        added += int(_run(redis, "add", prefix, *args[start:start + 6 * _CHUNK]))
     return added
 
 
-def remove(redis: Redis, prefix: str, job_ids: Sequence[str]) -> int:
+def remove(redis: Redis | Pipeline, prefix: str, job_ids: Sequence[str]) -> int:
+    """Drops jobs from the index (a pipeline queues the removal and returns 0)."""
     removed = 0
     for start in range(0, len(job_ids), _CHUNK):
-        removed += int(redis.eval(_REMOVE, 0, prefix, *job_ids[start:start + _CHUNK]))
+        reply = _run(redis, "remove", prefix, *job_ids[start:start + _CHUNK])
+        removed += 0 if isinstance(redis, Pipeline) else int(reply)
     return removed
 
 
-def charge(redis: Redis, prefix: str, *, job_id: str, job_class: str, owner: str,
+def charge(redis: Redis | Pipeline, prefix: str, *, job_id: str, job_class: str, owner: str,
            cost_per_step: float, num_steps: int, ttl_seconds: int) -> None:
     """Charges a started job to its user and moves the class's virtual time to their level.
     The record (``P sched:charge:{job id}``) also keeps the job's estimated seconds per step."""
-    redis.eval(_CHARGE, 0, prefix, job_class, owner, repr(cost_per_step * num_steps), job_id,
-               ttl_seconds, repr(cost_per_step))
+    _run(redis, "charge", prefix, job_class, owner, repr(cost_per_step * num_steps), job_id,
+         ttl_seconds, repr(cost_per_step))
 
 
 def step_costs(redis: Redis, prefix: str, job_ids: Sequence[str]) -> dict[str, float]:
@@ -226,9 +315,12 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def ingest(session: Session, redis: Redis, prefix: str, limit: int = INGEST_LIMIT) -> int:
-    """Indexes the jobs `storage.ready.add` announced since the last call; returns how many."""
-    raw = redis.lpop(new_key(prefix), limit)
+def ingest(session: Session, redis: Redis, prefix: str, limit: int = INGEST_LIMIT,
+           raw: Sequence[str | bytes] | None = None) -> int:
+    """Indexes the jobs `storage.ready.add` announced since the last call; returns how many.
+    ``raw``: ids the caller already popped from ``P ready:new`` (else up to ``limit`` are)."""
+    if raw is None:
+        raw = redis.lpop(new_key(prefix), limit)
     if not raw:
         return 0
     ids = list(dict.fromkeys(_text(v) for v in raw))
@@ -236,8 +328,10 @@ def ingest(session: Session, redis: Redis, prefix: str, limit: int = INGEST_LIMI
     fresh = [i for i, k in zip(ids, known, strict=True) if k is None]
     if not fresh:
         return 0
-    rows = list(session.execute(select(*COLUMNS).where(Job.id.in_(fresh),
-                                                       Job.state == JobState.QUEUED)))
+    # By primary key only: with the state in the WHERE, SQLite prefers the state index and
+    # walks every queued job.
+    rows = [r for r in session.execute(select(*COLUMNS).where(Job.id.in_(fresh)))
+            if r.state == JobState.QUEUED]
     session.rollback()  # end the read transaction
     return add(redis, prefix, (queued_job(r) for r in rows))
 
@@ -251,6 +345,9 @@ class Reconciled:
 def reconcile(session: Session, redis: Redis, prefix: str) -> Reconciled:
     """Makes the index hold exactly the queued jobs. Safe beside claims and submits: it adds only
     jobs the database says are queued and drops an entry only after re-reading its job."""
+    # Everything announced so far is committed, so the scan below sees it: the backlog of
+    # announcements can go (ids announced from now on are ingested as usual).
+    redis.delete(new_key(prefix))
     queued: set[str] = set()
     added = 0
     batch: list[Any] = []
@@ -277,8 +374,8 @@ def reconcile(session: Session, redis: Redis, prefix: str) -> Reconciled:
     removed = 0
     for start in range(0, len(suspects), _CHUNK):
         chunk = suspects[start:start + _CHUNK]
-        still = set(session.scalars(select(Job.id).where(Job.id.in_(chunk),
-                                                         Job.state == JobState.QUEUED)))
+        still = {i for i, state in session.execute(select(Job.id, Job.state).where(
+            Job.id.in_(chunk))) if state == JobState.QUEUED}
         session.rollback()
         removed += remove(redis, prefix, [i for i in chunk if i not in still])
     redis.set(built_key(prefix), "1")
@@ -297,32 +394,27 @@ def ensure_built(session: Session, redis: Redis, prefix: str) -> None:
             redis.delete(f"{prefix}sched:building")
 
 
-def due_heads(redis: Redis, prefix: str, model: str,
-              now: float) -> list[tuple[str, int, str, float]]:
-    """(class, priority, user, due of that user's oldest job) for every due user queue."""
-    order = [(c, p) for c in CLASSES for p in PRIORITIES]
-    pipe = redis.pipeline(transaction=False)
-    for c, p in order:
-        pipe.zrangebyscore(users_key(prefix, model, c, p), "-inf", now, withscores=True)
-    out = []
-    for (c, p), heads in zip(order, pipe.execute(), strict=True):
-        out += [(c, p, _text(user), float(due)) for user, due in heads]
-    return out
+def pick(redis: Redis, prefix: str, model: str, *, now: float, aging_seconds: float,
+         num_queues: int, num_jobs: int) -> tuple[list[QueuedJob], dict[tuple[str, str], float]]:
+    """The jobs that can win the next picks, in one round trip, and their users' service.
 
-
-def load(redis: Redis, prefix: str, model: str, queues: Sequence[tuple[str, int, str]],
-         count: int) -> list[QueuedJob]:
-    """The ``count`` oldest jobs of each (class, priority, user) queue of ``model``."""
-    if not queues:
-        return []
-    keys = [queue_key(prefix, model, c, p, u) for c, p, u in queues]
-    out: list[QueuedJob] = []
-    for items in redis.eval(_LOAD, len(keys), *keys, count, jobs_key(prefix)):
-        for i in range(0, len(items), 3):
-            job_id, due, raw = _text(items[i]), float(items[i + 1]), items[i + 2]
+    In Redis (a Lua script, so the view is consistent): the highest level any head offers, then
+    level by level downwards the user queues whose head is at that level, least served first
+    (oldest first at the top level) -- the policy's own order -- until ``num_queues`` are taken;
+    then the ``num_jobs`` oldest jobs of each. Only heads of the levels needed are read.
+    """
+    reply = _run(redis, "pick", prefix, model, repr(now), repr(aging_seconds), num_queues,
+                       num_jobs, TOP_LEVEL, CLASS_BASE["interactive"], CLASS_BASE["batch"])
+    jobs: list[QueuedJob] = []
+    served: dict[tuple[str, str], float] = {}
+    for item in reply:
+        job_class, owner = _text(item[0]), _text(item[1])
+        served[(job_class, owner)] = float(item[2])
+        for i in range(3, len(item), 3):
+            job_id, due, raw = _text(item[i]), float(item[i + 1]), item[i + 2]
             if raw:  # an id without its meta is mid-removal: skip it
-                out.append(from_meta(job_id, due, raw))
-    return out
+                jobs.append(from_meta(job_id, due, raw))
+    return jobs, served
 
 
 def index_keys(redis: Redis, prefix: str) -> list[str]:
