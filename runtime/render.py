@@ -1,4 +1,5 @@
-"""Render videos without the service: one process, or ``dp`` CPU ranks over gloo sharing weights.
+"""Render videos without the service: one process (on the default device), or ``dp`` CPU ranks
+over gloo sharing weights.
 
 With ``dp > 1`` every rank loads the model with DLO (all-gather mode shards the block weights
 across the ranks), takes the request with its rank's index if there is one, and all ranks step in
@@ -246,7 +247,7 @@ def _render_on_rank(rank: int, world: int, messages: Any, model: str,
                     requests: list[VideoRequest], out: str, fps: int,
                     use_allgather: bool) -> RankReport:
     started = time.perf_counter()
-    pipe = load_pipeline(model, use_allgather=use_allgather)
+    pipe = load_pipeline(model, device="cpu", use_allgather=use_allgather)  # gloo ranks
     try:
         step_cb = (lambda i, n: messages.put(("step", rank, i, n))) if rank == 0 else None
         return render_rank(pipe, rank, requests, out, step_cb, fps=fps, started=started)
@@ -256,7 +257,7 @@ def _render_on_rank(rank: int, world: int, messages: Any, model: str,
 
 def _generate_on_rank(rank: int, world: int, messages: Any, model: str,
                       requests: list[VideoRequest], use_allgather: bool) -> Any:
-    pipe = load_pipeline(model, use_allgather=use_allgather)
+    pipe = load_pipeline(model, device="cpu", use_allgather=use_allgather)  # gloo ranks
     try:
         frames = run_lockstep(pipe, rank, requests)
         return frames.cpu().numpy() if frames is not None else None

@@ -29,6 +29,7 @@ import torch
 from runtime.dlo import DLOHandle, apply_dlo
 from runtime.models.loading import build_on_meta
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
+from runtime.platform import default_device
 from runtime.tiling import map_tiles, plan_tiles
 
 TRANSFORMER_NAMES = ("transformer", "transformer_2")
@@ -65,7 +66,8 @@ class DiffusersVideoPipeline(VideoPipeline):
             supported = sorted(n for c in _FAMILIES for n in c.pipeline_classes)
             raise ValueError(f"{model_dir}: pipeline {name!r} is not supported; kiln drives "
                              f"{', '.join(supported)}")
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        # The engine's default device too, so every component lands on the same one.
+        dev = torch.device(device) if device is not None else default_device()
         transformers: dict[str, Any] = {}
         handles: list[DLOHandle | None] = []
         for tname in TRANSFORMER_NAMES:

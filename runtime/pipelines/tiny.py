@@ -13,6 +13,7 @@ import torch
 from runtime.dlo import DLOHandle, apply_dlo
 from runtime.models.tiny import KilnTiny, TinyConfig, build_tiny
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
+from runtime.platform import default_device
 from runtime.tiling import map_tiles, plan_tiles
 
 
@@ -45,7 +46,8 @@ class TinyPipeline(VideoPipeline):
         if offload:
             handle = apply_dlo(model.transformer, group=group, use_allgather=use_allgather,
                                device=device)
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        # The engine's default device too, so every component lands on the same one.
+        dev = torch.device(device) if device is not None else default_device()
         model.text_encoder.to(dev)
         model.decoder.to(dev)
         return cls(model, handle, device=dev)
