@@ -312,6 +312,8 @@ def clean_up(ctx: Context, *, now: datetime | None = None) -> list[str]:
 
 
 # ---- the tasks ----------------------------------------------------------------------------------
+# The periodic ones keep no result: beat starts thousands a day and nobody reads them (the worker
+# log has their counts).
 
 @app.task(name="kiln.deliver_webhook", bind=True)
 def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
@@ -322,7 +324,7 @@ def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
     return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
 
 
-@app.task(name="kiln.sweep_webhooks")
+@app.task(name="kiln.sweep_webhooks", ignore_result=True)
 def sweep_webhooks() -> int:
     owed = sweep(_context())
     for job_id in owed:
@@ -330,7 +332,7 @@ def sweep_webhooks() -> int:
     return len(owed)
 
 
-@app.task(name="kiln.reap_leases")
+@app.task(name="kiln.reap_leases", ignore_result=True)
 def reap_leases_task() -> dict[str, int]:
     out = reap_leases(_context())
     for job_id in out.notify:
@@ -339,13 +341,13 @@ def reap_leases_task() -> dict[str, int]:
             "cancelled": len(out.cancelled), "expired": len(out.expired)}
 
 
-@app.task(name="kiln.reconcile_ready_index")
+@app.task(name="kiln.reconcile_ready_index", ignore_result=True)
 def reconcile_ready_index() -> dict[str, int]:
     out = reconcile(_context())
     return {"added": out.added, "removed": out.removed}
 
 
-@app.task(name="kiln.clean_up_outputs")
+@app.task(name="kiln.clean_up_outputs", ignore_result=True)
 def clean_up_outputs() -> int:
     return len(clean_up(_context()))
 
