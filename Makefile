@@ -18,7 +18,7 @@ $(BIN)/kiln: pyproject.toml
 install: $(BIN)/kiln
 
 run: install
-	mkdir -p out && $(BIN)/kiln render --model kiln-tiny --prompt "a red circle moving left" --size 64x64 --frames 9 --steps 4 --seed 0 --dp 2 --out out/demo.mp4
+	$(BIN)/kiln up
 
 test: install
 	$(BIN)/python -m pytest -q

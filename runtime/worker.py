@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kiln.procs import die_with_parent, free_port
 from kiln.settings import Settings
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
 from runtime.platform import get_platform
@@ -421,6 +422,7 @@ def _init(rank: int, world: int, device: str) -> None:
 def _spawned_rank(rank: int, world: int, port: int, settings: Settings, config: WorkerConfig,
                   stop_event: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    die_with_parent()  # a rank whose launcher died must not go on claiming jobs
     # Ctrl-C reaches the whole process group; the parent turns it into a graceful stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if config.device == "cpu":
@@ -454,9 +456,7 @@ def run_worker(settings: Settings, config: WorkerConfig,
         return 0
     ctx = mp.get_context("spawn")
     stop_event = ctx.Event()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_spawned_rank,
                          args=(r, config.dp, port, settings, config, stop_event))
              for r in range(config.dp)]

@@ -1,0 +1,26 @@
+"""Small process helpers shared by the launchers (kiln up, the worker group, render ranks)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only).
+
+    Children of a launcher that is killed outright would otherwise live on: a worker rank would
+    keep claiming jobs, a private Redis would keep its port.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(sig))  # PR_SET_PDEATHSIG
