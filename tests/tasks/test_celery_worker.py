@@ -1,5 +1,5 @@
 """A real Celery worker process on kiln's Redis (under a prefix of its own) runs a task that was
-enqueued with ``.delay`` from another process."""
+enqueued with ``.delay`` from another process, including a retry after a failed POST."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ CELERY = str(Path(sys.executable).with_name("celery"))
 
 
 @pytest.mark.parametrize("db", ["postgresql"], indirect=True)
-def test_a_webhook_task_enqueued_with_delay_is_delivered_by_a_real_worker(
+def test_a_webhook_task_enqueued_with_delay_is_retried_and_delivered_by_a_real_worker(
         db: Any, ctx: Context, redis_prefix: str, tmp_path: Path) -> None:
     settings = make_settings(db.url, redis_prefix, tmp_path)
     env = {**os.environ, "KILN_DATABASE_URL": db.url, "REDIS_URL": str(settings.redis_url),
            "KILN_REDIS_PREFIX": redis_prefix, "KILN_WEBHOOK_SECRET": SECRET,
-           "KILN_OUTPUT_DIR": str(settings.output_dir)}
+           "KILN_OUTPUT_DIR": str(settings.output_dir), "KILN_WEBHOOK_BACKOFF_SECONDS": "0.5"}
     log_path = tmp_path / "celery.log"
-    with Receiver() as receiver, open(log_path, "wb") as log:
+    with Receiver(fail_first=1) as receiver, open(log_path, "wb") as log:
         with ctx.sessions() as s:
             job_id = submit(s, now=utcnow(), webhook_url=receiver.url).id
             succeed(ctx, s, job_id, now=utcnow())
@@ -44,7 +44,7 @@ def test_a_webhook_task_enqueued_with_delay_is_delivered_by_a_real_worker(
         try:
             result = tasks.deliver_webhook.delay(job_id)
             outcome = result.get(timeout=60)
-            got = receiver.wait_for(1)
+            got = receiver.wait_for(2)
         finally:
             tasks.configure(get_settings())
             worker.send_signal(signal.SIGTERM)
@@ -53,9 +53,11 @@ def test_a_webhook_task_enqueued_with_delay_is_delivered_by_a_real_worker(
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-    assert outcome == {"state": "delivered", "attempt": 1, "status": 200}, log_path.read_text()
-    assert len(got) == 1 and got[0].headers["Kiln-Delivery"] == job_id
-    assert signing.verify(SECRET, got[0].body, got[0].headers[signing.HEADER])
+    # The first POST got a 500; Celery carried the retry; the result is the final attempt's.
+    assert outcome == {"state": "delivered", "attempt": 2, "status": 200}, log_path.read_text()
+    assert [(r.answered, r.headers["Kiln-Attempt"]) for r in got] == [(500, "1"), (200, "2")]
+    assert {r.headers["Kiln-Delivery"] for r in got} == {job_id}
+    assert all(signing.verify(SECRET, r.body, r.headers[signing.HEADER]) for r in got)
     with ctx.sessions() as s:
         row = webhooks.delivery(s, job_id)
         assert row is not None and row.state == "delivered"
