@@ -202,7 +202,9 @@ def expire_job(session: Session, job_id: str, *, now: datetime | None = None) ->
 def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tokens: int,
                   num_steps: int, render_seconds: float) -> None:
     """A finished attempt's real cost: teaches the cost model seconds per step for its size and
-    replaces the estimate its user was charged by the real render seconds."""
+    replaces the estimate its user was charged by the real render seconds. Pass the rank's own
+    compute time for the steps where it is measured: a lock-step group's wall time includes
+    waiting for the slowest rank."""
     result = JobResult(job_id=job_id, model=model, num_tokens=num_tokens, num_steps=num_steps,
                        render_seconds=render_seconds)
     raw = redis.getdel(index.charge_key(prefix, job_id))
