@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from api.deps import KeyCache
 from api.errors import BodySizeLimit, install_error_handlers
 from api.metrics import make_registry
-from api.routes import jobs, system, videos
+from api.routes import batches, jobs, system, videos
 from kiln.settings import Settings, get_settings
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, make_store
@@ -86,8 +86,10 @@ def create_app(
     app.state.reconcile = reconcile
     app.state.key_cache = KeyCache(settings.api_key_cache_seconds)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
+                       per_path={"/v1/batches": settings.max_batch_body_bytes})
     app.include_router(jobs.router)
+    app.include_router(batches.router)
     app.include_router(videos.router)
     app.include_router(system.router)
     return app

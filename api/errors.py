@@ -56,7 +56,9 @@ def _message(err: dict[str, Any]) -> str:
 def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
     items = [
         {"field": "body" if e.get("type") == "json_invalid" else _field(e.get("loc", ())),
-         "message": _message(e), "type": e.get("type")}
+         "message": _message(e), "type": e.get("type"),
+         # A batch submission's errors also say which of its lines is at fault.
+         **({"line": e["line"]} if e.get("line") is not None else {})}
         for e in errors
     ]
     summary = "; ".join(f"{i['field']}: {i['message']}" for i in items) or "invalid request"
@@ -83,21 +85,24 @@ class BodySizeLimit:
     """Refuses request bodies over ``max_bytes`` with 413, whether or not Content-Length is sent:
     a streamed body is counted as it arrives and cut off at the limit."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 per_path: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.per_path = per_path or {}  # exact paths with their own limit (batch uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.per_path.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 await self._reject(send, 400, "Content-Length is not a number")
                 return
-            if int(declared) > self.max_bytes:
-                await self._reject(send, 413, self._too_large())
+            if int(declared) > limit:
+                await self._reject(send, 413, self._too_large(limit))
                 return
         received = 0
         over = False
@@ -108,7 +113,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
                     over = True
                     # Stop reading: the app sees an empty, finished body and fails to parse it;
                     # its response is replaced by the 413 below.
@@ -120,15 +125,16 @@ class BodySizeLimit:
             if over:
                 if message["type"] == "http.response.start" and not started:
                     started = True
-                    await self._reject(send, 413, self._too_large())
+                    await self._reject(send, 413, self._too_large(limit))
                 return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         await self.app(scope, limited_receive, guarded_send)
 
-    def _too_large(self) -> str:
-        return f"request body is larger than the {self.max_bytes} bytes allowed"
+    @staticmethod
+    def _too_large(limit: int) -> str:
+        return f"request body is larger than the {limit} bytes allowed"
 
     @staticmethod
     async def _reject(send: Send, status_code: int, message: str) -> None:

@@ -67,6 +67,9 @@ def _small_metadata(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+Metadata = Annotated[dict[MetaKey, MetaValue], AfterValidator(_small_metadata)]
+
+
 class JobCreate(BaseModel):
     """POST /v1/jobs. Omitted fields get the deployment's defaults."""
 
@@ -87,9 +90,30 @@ class JobCreate(BaseModel):
     not_before: UTCInstant | None = None
     deadline: UTCInstant | None = None
     webhook_url: Annotated[HttpUrl, Field(max_length=2048)] | None = None
-    metadata: Annotated[dict[MetaKey, MetaValue], AfterValidator(_small_metadata)] = Field(
-        default_factory=dict
-    )
+    metadata: Metadata = Field(default_factory=dict)
+
+
+class BatchWindow(BaseModel):
+    """When a batch may run: set as ``not_before``/``deadline`` on every one of its jobs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    not_before: UTCInstant | None = None
+    deadline: UTCInstant | None = None
+
+
+class BatchCreate(BaseModel):
+    """POST /v1/batches as JSON. Each job is a `JobCreate` body laid over ``defaults`` and is
+    checked exactly like one; every job gets class ``batch``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[Text, Field(max_length=200)] | None = None
+    defaults: dict[str, Any] = Field(default_factory=dict,
+                                     description="JobCreate fields shared by every job")
+    jobs: list[dict[str, Any]] = Field(description="JobCreate bodies, one per job")
+    window: BatchWindow | None = None
+    metadata: Metadata = Field(default_factory=dict)
 
 
 class VideoCreate(BaseModel):
@@ -163,6 +187,84 @@ class JobList(BaseModel):
     data: list[JobPublic]
     next_cursor: str | None
     has_more: bool
+
+
+class BatchProgress(BaseModel):
+    finished: int = Field(description="jobs in a final state")
+    total: int
+    fraction: float = Field(description="finished / total")
+    step_fraction: float = Field(
+        description="mean over jobs of the share of their steps done (a finished job: 1)")
+
+
+class BatchPublic(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    owner: str | None = None
+    name: str | None
+    metadata: dict[str, Any]
+    not_before: datetime | None
+    deadline: datetime | None
+    status: str = Field(description="queued (none started yet) | running | finished")
+    counts: dict[str, int] = Field(description="jobs per state, every state listed")
+    progress: BatchProgress
+    eta: datetime | None = Field(
+        description="when the last job should end at the pace so far; null until one ended")
+    eta_seconds: float | None
+    created_at: datetime
+    started_at: datetime | None = Field(description="when its first job started")
+    finished_at: datetime | None = Field(description="when its last job ended")
+    jobs_url: str
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchPublic]
+    next_cursor: str | None
+    has_more: bool
+
+
+class BatchCancelled(BaseModel):
+    object: Literal["batch.cancel"] = "batch.cancel"
+    cancelled: int = Field(description="queued jobs cancelled at once")
+    cancel_requested: int = Field(description="running jobs that stop after their current step")
+    batch: BatchPublic
+
+
+class BatchReportJob(BaseModel):
+    id: str
+    line: int | None = Field(description="1-based line (or position) in the submission")
+    status: str
+    prompt: str
+    seed: int
+    started_at: datetime | None
+    finished_at: datetime | None
+    render_seconds: float | None
+    video_url: str | None
+    thumbnail_url: str | None
+    error: JobError | None
+
+
+class BatchReport(BaseModel):
+    """The morning report of a batch."""
+
+    id: str
+    object: Literal["batch.report"] = "batch.report"
+    name: str | None
+    num_jobs: int
+    counts: dict[str, int] = Field(description="jobs per state, every state listed")
+    not_before: datetime | None
+    deadline: datetime | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    active_seconds: float | None = Field(
+        description="from the first job's start to the last finish of a job that ran")
+    videos_per_hour: float | None = Field(
+        description="succeeded jobs per hour of active_seconds; null until a job ran and ended")
+    total_render_seconds: float = Field(description="summed render_seconds of its jobs")
+    problems: list[BatchReportJob] = Field(description="the failed, expired and dead jobs")
+    jobs: list[BatchReportJob]
 
 
 class VideoError(BaseModel):

@@ -170,13 +170,20 @@ def submit(
                             headers={"Retry-After": str(s.queue_full_retry_after_seconds)}
                             ) from exc
     if created.created:
-        try:
-            ready.add(redis, s.redis_prefix, [created.job])
-        except RedisError:
-            # The row is committed, so the job is safe; the periodic rebuild indexes it.
-            log.warning("Redis unavailable; job %s waits for the next index rebuild",
-                        created.job.id, exc_info=True)
+        dispatch(redis, s, [created.job])
     return created
+
+
+def dispatch(redis: Redis, s: Settings, new_jobs: list[Job]) -> None:
+    """Adds committed queued jobs to the Redis ready index (call only after the commit)."""
+    if not new_jobs:
+        return
+    try:
+        ready.add(redis, s.redis_prefix, new_jobs)
+    except RedisError:
+        # The rows are committed, so the jobs are safe; the periodic rebuild indexes them.
+        log.warning("Redis unavailable; %d job(s) (%s, ...) wait for the next index rebuild",
+                    len(new_jobs), new_jobs[0].id, exc_info=True)
 
 
 def unindex(redis: Redis, s: Settings, job: Job) -> None:

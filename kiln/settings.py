@@ -78,6 +78,8 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(default=4000, ge=1)
     max_metadata_bytes: int = Field(default=4096, ge=2)
     max_body_bytes: int = Field(default=64 * 1024, ge=1024)
+    # POST /v1/batches carries a whole prompt list (JSON or JSONL), so it gets its own limit.
+    max_batch_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     max_schedule_days: int = Field(default=30, ge=1)  # how far ahead not_before/deadline may be
     # Queued jobs a user may hold at once; beyond it submits get 429 with Retry-After.
     max_queued_jobs_per_user: int = Field(default=1000, ge=1)

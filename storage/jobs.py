@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 from storage.models import (
     JOB_ID_LENGTH,
     TERMINAL_STATES,
+    Batch,
     Job,
     JobClass,
     JobEvent,
@@ -61,10 +62,15 @@ class IdempotencyConflict(ValueError):
 
 
 class QueueFull(Exception):
-    """The user already has the maximum number of queued jobs."""
+    """The user already has the maximum number of queued jobs (or would, with ``adding`` more)."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"you already have {limit} queued jobs, the most allowed; retry later")
+    def __init__(self, limit: int, *, queued: int | None = None, adding: int = 1) -> None:
+        if adding == 1:
+            message = f"you already have {limit} queued jobs, the most allowed; retry later"
+        else:
+            message = (f"you have {queued} queued jobs and these {adding} would pass the limit "
+                       f"of {limit}; retry when fewer are queued")
+        super().__init__(message)
         self.limit = limit
 
 
@@ -102,6 +108,7 @@ class JobSpec:
     webhook_url: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     batch_id: str | None = None
+    batch_index: int | None = None  # 1-based line in its batch submission
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,23 +138,52 @@ def create_job(
         if existing is not None:
             return _replay(existing, request_hash)
     if max_queued is not None:
-        # Two concurrent submits may both pass this count; the limit is a guard against runaway
-        # clients, not an exact quota, so one extra job is acceptable.
-        # LIMIT bounds the work: a submit never counts more rows than the limit.
-        capped = (
-            select(Job.id)
-            .where(Job.owner_id == owner.id, Job.state == JobState.QUEUED)
-            .limit(max_queued)
-            .subquery()
-        )
-        num_queued = session.scalar(select(func.count()).select_from(capped))
-        if num_queued is not None and num_queued >= max_queued:
-            raise QueueFull(max_queued)
+        check_queue_room(session, owner.id, max_queued)
     now = now or utcnow()
-    job = Job(
+    job = new_job_row(owner.id, spec, request_hash=request_hash,
+                      idempotency_key=idempotency_key, max_attempts=max_attempts, now=now)
+    session.add(job)
+    session.add(JobEvent(job_id=job.id, at=now, kind="created", attempt=0))
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same idempotency key won the unique constraint.
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        existing = _by_idempotency_key(session, owner.id, idempotency_key)
+        if existing is None:
+            raise
+        return _replay(existing, request_hash)
+    return Created(job=job, created=True)
+
+
+def check_queue_room(session: Session, owner_id: int, max_queued: int, adding: int = 1) -> None:
+    """Raises `QueueFull` unless the owner may queue ``adding`` more jobs.
+
+    Two concurrent submits may both pass this count; the limit is a guard against runaway
+    clients, not an exact quota, so a few extra jobs are acceptable.
+    """
+    # LIMIT bounds the work: a submit never counts more rows than the limit.
+    capped = (
+        select(Job.id)
+        .where(Job.owner_id == owner_id, Job.state == JobState.QUEUED)
+        .limit(max_queued)
+        .subquery()
+    )
+    num_queued = int(session.scalar(select(func.count()).select_from(capped)) or 0)
+    if num_queued + adding > max_queued:
+        raise QueueFull(max_queued, queued=num_queued, adding=adding)
+
+
+def new_job_row(owner_id: int, spec: JobSpec, *, request_hash: str,
+                idempotency_key: str | None, max_attempts: int, now: datetime) -> Job:
+    """The queued row for ``spec``, not yet added to a session."""
+    return Job(
         id=new_job_id(),
-        owner_id=owner.id,
+        owner_id=owner_id,
         batch_id=spec.batch_id,
+        batch_index=spec.batch_index,
         model=spec.model,
         prompt=spec.prompt,
         negative_prompt=spec.negative_prompt,
@@ -174,20 +210,6 @@ def create_job(
         cancel_requested=False,
         created_at=now,
     )
-    session.add(job)
-    session.add(JobEvent(job_id=job.id, at=now, kind="created", attempt=0))
-    try:
-        session.commit()
-    except IntegrityError:
-        # A concurrent request with the same idempotency key won the unique constraint.
-        session.rollback()
-        if idempotency_key is None:
-            raise
-        existing = _by_idempotency_key(session, owner.id, idempotency_key)
-        if existing is None:
-            raise
-        return _replay(existing, request_hash)
-    return Created(job=job, created=True)
 
 
 def _by_idempotency_key(session: Session, owner_id: int, key: str) -> Job | None:
@@ -246,8 +268,9 @@ def queue_position(session: Session, job: Job) -> int | None:
     return int(count or 0)
 
 
-def encode_cursor(job: Job) -> str:
-    raw = f"{job.created_at.isoformat()}|{job.id}".encode()
+def encode_cursor(row: Job | Batch) -> str:
+    """A keyset cursor after ``row`` (a job or a batch: both ids look alike)."""
+    raw = f"{row.created_at.isoformat()}|{row.id}".encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 

@@ -129,12 +129,23 @@ class Batch(Base):
     """A named group of jobs submitted together (an overnight prompt list)."""
 
     __tablename__ = "batches"
+    __table_args__ = (
+        # Same key twice from one user is the same batch; NULL keys never collide.
+        Index("uq_batches_owner_idempotency_key", "owner_id", "idempotency_key", unique=True),
+        # Listing one user's batches newest first, with a keyset cursor.
+        Index("ix_batches_owner_created", "owner_id", "created_at", "id"),
+    )
 
     id: Mapped[str] = mapped_column(String(JOB_ID_LENGTH), primary_key=True)
     owner_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
     name: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
+    # The window given at submission, copied onto every job of the batch.
+    not_before: Mapped[datetime | None]
+    deadline: Mapped[datetime | None]
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    request_hash: Mapped[str | None] = mapped_column(String(64))
 
 
 class Job(Base):
@@ -158,6 +169,7 @@ class Job(Base):
     batch_id: Mapped[str | None] = mapped_column(
         ForeignKey("batches.id", ondelete="SET NULL"), index=True
     )
+    batch_index: Mapped[int | None]  # 1-based line of the batch submission it came from
 
     # The request, as validated by the API.
     model: Mapped[str] = mapped_column(String(100))
