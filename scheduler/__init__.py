@@ -1,5 +1,6 @@
 """The DP-aware batcher: a pure policy (`scheduler.policy`), job cost estimates
-(`scheduler.cost`) and the claim protocol against Redis and the database (`scheduler.claim`).
+(`scheduler.cost`), its Redis index of queued jobs per user (`scheduler.index`) and the claim
+protocol against Redis and the database (`scheduler.claim`). See docs/scheduler.md.
 
 A worker group calls `scheduler.claim.claim_for_group` at a step boundary whenever ranks are free
 and `scheduler.claim.record_result` when a job ends.

@@ -17,10 +17,11 @@ Besides `scheduler.index`'s keys this module keeps ``P + "sched:cost"``, the lea
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from datetime import datetime
 
-from redis import Redis, WatchError
+from redis import Redis, RedisError, WatchError
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
@@ -30,6 +31,8 @@ from scheduler.policy import JobResult, Policy, PolicyConfig, QueuedJob, Running
 from storage.jobs import Claim, claim_job
 from storage.models import Job, JobEvent, JobState, utcnow
 from storage.ready import new_key, ready_key
+
+log = logging.getLogger(__name__)
 
 # A claim that loses a race (or meets an entry gone stale: a job cancelled while queued) frees
 # its rank for another candidate, a few times at most; every round drops what it found.
@@ -89,12 +92,15 @@ def claim_for_group(
     if not ranks:
         return []
     # One round trip for the bookkeeping every call needs.
+    unknown = [r.job_id for r in running if not r.cost_per_step > 0]
     pipe = redis.pipeline(transaction=False)
     pipe.exists(index.built_key(prefix))
     pipe.lpop(new_key(prefix), index.INGEST_LIMIT)
     pipe.get(cost_key(prefix))
     pipe.script_exists(*index.script_shas())
-    built, announced, raw_costs, loaded_scripts = pipe.execute()
+    # MGET needs at least one key: with no unknown costs, a dummy whose reply zip() ignores.
+    pipe.mget([index.charge_key(prefix, i) for i in unknown] or [index.charge_key(prefix, "")])
+    built, announced, raw_costs, loaded_scripts, charges = pipe.execute()
     if not all(loaded_scripts):
         index.load_scripts(redis)
     if not built:
@@ -103,7 +109,7 @@ def claim_for_group(
         index.ingest(session, redis, prefix, raw=announced)
     costs = CostModel.from_state(json.loads(raw_costs)) if raw_costs else CostModel()
     claimed: dict[int, Claim] = {}
-    busy = _with_costs(redis, prefix, running)
+    busy = _with_costs(running, dict(zip(unknown, charges, strict=False)))
     for _ in range(MAX_ROUNDS):
         want = [r for r in ranks if r not in claimed]
         if not want:
@@ -132,10 +138,11 @@ def claim_for_group(
     return sorted(claimed.items(), key=lambda rc: rc[0])
 
 
-def _with_costs(redis: Redis, prefix: str, running: Sequence[RunningJob]) -> list[RunningJob]:
+def _with_costs(running: Sequence[RunningJob],
+                charges: dict[str, bytes | str | None]) -> list[RunningJob]:
     """``running``, with the cost recorded at claim time wherever the caller passed none."""
-    unknown = [r.job_id for r in running if not r.cost_per_step > 0]
-    known = index.step_costs(redis, prefix, unknown)
+    known = {job_id: cost for job_id, raw in charges.items()
+             if raw is not None and (cost := index.charged_step_cost(raw)) is not None}
     return [RunningJob(job_id=r.job_id, rank=r.rank, model=r.model,
                        cost_per_step=known.get(r.job_id, r.cost_per_step),
                        steps_left=r.steps_left) if r.job_id in known else r for r in running]
@@ -168,6 +175,17 @@ def _settle(redis: Redis, prefix: str, started: Sequence[QueuedJob],
     touched (started, lost to another group, expired) from both indexes."""
     if not done:
         return
+    try:
+        _settle_now(redis, prefix, started, step_costs, done)
+    except RedisError:
+        # The claims stand (the database is the truth); the index drops these entries when it
+        # meets them again or at the next reconcile, and the charges are lost.
+        log.warning("Redis unavailable after claiming %s", [j.job_id for j in done],
+                    exc_info=True)
+
+
+def _settle_now(redis: Redis, prefix: str, started: Sequence[QueuedJob],
+                step_costs: dict[str, float], done: Sequence[QueuedJob]) -> None:
     pipe = redis.pipeline(transaction=False)
     for job in started:
         index.charge(pipe, prefix, job_id=job.job_id, job_class=job.job_class,

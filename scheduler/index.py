@@ -290,18 +290,10 @@ def charge(redis: Redis | Pipeline, prefix: str, *, job_id: str, job_class: str,
          ttl_seconds, repr(cost_per_step))
 
 
-def step_costs(redis: Redis, prefix: str, job_ids: Sequence[str]) -> dict[str, float]:
-    """Estimated seconds per step of started jobs, as charged (missing: unknown)."""
-    if not job_ids:
-        return {}
-    out = {}
-    for job_id, raw in zip(job_ids, redis.mget([charge_key(prefix, i) for i in job_ids]),
-                           strict=True):
-        if raw is not None:
-            record = json.loads(raw)
-            if len(record) > 3:
-                out[job_id] = float(record[3])
-    return out
+def charged_step_cost(raw: str | bytes) -> float | None:
+    """The estimated seconds per step kept in a charge record (``P sched:charge:{job id}``)."""
+    record = json.loads(raw)
+    return float(record[3]) if len(record) > 3 else None
 
 
 def from_meta(job_id: str, due: float, raw: str | bytes) -> QueuedJob:
