@@ -7,6 +7,7 @@ import typer
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kiln: batch video rendering "
                   "with diffusion transformers bigger than one accelerator.")
 
+import kiln.cli_batch  # noqa: E402,F401  (registers the batch group: submit, status, report)
 import kiln.cli_client  # noqa: E402,F401  (registers submit, status, cancel and celery on app)
 import kiln.cli_render  # noqa: E402,F401  (registers render and make-checkpoint on app)
 import kiln.cli_service  # noqa: E402,F401  (registers db, keys and api on app)
