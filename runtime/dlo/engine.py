@@ -136,24 +136,24 @@ class _Source:
 
 
 def _check_against_checkpoint(
-    entries: list[tuple[str, torch.Tensor]], ckpt: Checkpoint
+    wanted: list[tuple[tuple[str, ...], torch.Tensor]], ckpt: Checkpoint
 ) -> list[str]:
+    """Problems with ``ckpt`` for tensors known by one or more (tied) names."""
     problems = []
-    missing = [name for name, _ in entries if name not in ckpt]
+    missing = [names[0] for names, _ in wanted if not any(n in ckpt for n in names)]
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         problems.append(f"checkpoint is missing {len(missing)} key(s): {shown}{more}")
-    for name, t in entries:
-        if name not in ckpt:
-            continue
-        info = ckpt.info(name)
-        if info.shape != tuple(t.shape):
-            problems.append(f"checkpoint tensor {name!r} has shape {list(info.shape)}, "
-                            f"the model expects {list(t.shape)}")
-        elif info.dtype != t.dtype:
-            problems.append(f"checkpoint tensor {name!r} has dtype {info.dtype}, "
-                            f"the model expects {t.dtype}")
+    for names, t in wanted:
+        for name in (n for n in names if n in ckpt):
+            info = ckpt.info(name)
+            if info.shape != tuple(t.shape):
+                problems.append(f"checkpoint tensor {name!r} has shape {list(info.shape)}, "
+                                f"the model expects {list(t.shape)}")
+            elif info.dtype != t.dtype:
+                problems.append(f"checkpoint tensor {name!r} has dtype {info.dtype}, "
+                                f"the model expects {t.dtype}")
     return problems
 
 
@@ -538,6 +538,10 @@ def apply_dlo(
     platform = get_platform(device)
     block_lists = _resolve_block_lists(model, blocks)
     wgroup, owns_group, rank, world = _weight_group(group, platform.backend)
+    if world == 1 and not platform.is_accelerator:
+        # Nothing to gather, and host memory is the device: stream from the source itself (the
+        # shared checkpoint mapping) instead of keeping a private copy of every block.
+        use_allgather = False
     shard_count = world if use_allgather else 1
     config = DLOConfig(use_allgather=use_allgather, rank=rank, shard_count=shard_count,
                        world_size=world)
@@ -556,9 +560,15 @@ def apply_dlo(
         streamed = {e.name for lay in layouts for e in lay.entries}
         block_ids = {id(t) for path, blist in block_lists
                      for _, _, _, _, t in block_tensors(path, blist)}
-        resident = [(n, t) for n, t in model.state_dict(keep_vars=True).items()
-                    if n not in streamed and id(t) not in block_ids]
-        wanted = [(e.name, torch.empty(e.shape, dtype=e.dtype, device="meta"))
+        # Tied tensors have several names; a checkpoint usually stores only one of them.
+        names_by_id: dict[int, list[str]] = {}
+        tensors_by_id: dict[int, torch.Tensor] = {}
+        for n, t in model.state_dict(keep_vars=True).items():
+            if n not in streamed and id(t) not in block_ids:
+                names_by_id.setdefault(id(t), []).append(n)
+                tensors_by_id[id(t)] = t
+        resident = [(tuple(names_by_id[i]), tensors_by_id[i]) for i in names_by_id]
+        wanted = [((e.name,), torch.empty(e.shape, dtype=e.dtype, device="meta"))
                   for lay in layouts for e in lay.entries] + resident
         if checkpoint is not None:
             ckpt = Checkpoint.open(checkpoint)
@@ -566,7 +576,7 @@ def apply_dlo(
             if problems:
                 error = "; ".join(problems)
         else:
-            on_meta = [n for n, t in wanted if t.is_meta and n not in streamed] + [
+            on_meta = [names[0] for names, t in resident if t.is_meta] + [
                 e.name for lay in layouts for e in lay.entries if _current(e).is_meta
             ]
             if on_meta:
@@ -574,7 +584,8 @@ def apply_dlo(
                          "and no checkpoint was given to load them from")
         if error is None:
             source = _Source(ckpt)
-            resident_bytes = _place_resident(model, platform.device, ckpt, streamed, block_ids)
+            resident_bytes = _place_resident(model, platform.device, ckpt, streamed, block_ids,
+                                             names_by_id)
             if ckpt is None:
                 source.model_tensors = {
                     e.name: _bytes_of(_current(e)) for lay in layouts for e in lay.entries
@@ -599,7 +610,8 @@ def _current(e: Entry) -> torch.Tensor:
 
 
 def _place_resident(model: nn.Module, device: torch.device, ckpt: Checkpoint | None,
-                    streamed: set[str], block_ids: set[int]) -> int:
+                    streamed: set[str], block_ids: set[int],
+                    names_by_id: dict[int, list[str]]) -> int:
     """Put every non-block tensor on the device (from the checkpoint when given); return bytes."""
     total = 0
     placed: dict[int, torch.Tensor] = {}  # id(original) -> placed value, to keep tied tensors tied
@@ -614,8 +626,10 @@ def _place_resident(model: nn.Module, device: torch.device, ckpt: Checkpoint | N
                 name = f"{mod_name}.{attr}" if mod_name else attr
                 if name in streamed:
                     continue
-                if ckpt is not None and name in ckpt:
-                    value = ckpt.tensor(name)
+                stored = next((n for n in names_by_id.get(id(t), [name])
+                               if ckpt is not None and n in ckpt), None)
+                if ckpt is not None and stored is not None:
+                    value = ckpt.tensor(stored)
                 elif t.is_meta:
                     raise ValueError(f"tensor {name!r} is on the meta device and is not in the "
                                      "checkpoint (a non-persistent buffer must be materialised "

@@ -321,6 +321,33 @@ def test_bad_checkpoint_or_layout_raises_clear_value_error_on_every_rank(
         assert all("rank(s) 1:" in r for r in results)
 
 
+class TiedNet(UnevenNet):
+    """One weight under two state_dict names, as T5's shared embedding is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 24, bias=False)
+        self.head = nn.Linear(24, 3, bias=False)
+        self.unembed = self.head  # the same module, so the same weight, under a second name
+
+
+def test_tied_weight_stored_under_one_name_loads_from_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    reference = TiedNet().eval()
+    state = reference.state_dict()
+    assert "unembed.weight" in state and "head.weight" in state
+    stored = {k: v.contiguous() for k, v in state.items() if not k.startswith("unembed.")}
+    save_file(stored, str(tmp_path / "tied.safetensors"))
+    with torch.device("meta"):
+        model = TiedNet().eval()
+    handle = apply_dlo(model, checkpoint=tmp_path / "tied.safetensors")
+    assert model.head.weight is model.unembed.weight  # still tied after loading
+    x = torch.randn(2, 5, 3)
+    with torch.no_grad():
+        assert torch.equal(reference(x), model(x))
+    handle.close()
+
+
 def test_meta_model_without_checkpoint_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="on the meta device"):
         apply_dlo(build("uneven", torch.float32, meta=True))
