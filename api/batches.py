@@ -135,11 +135,12 @@ def _from_jsonl(raw: bytes, options: dict[str, str]) -> Submission:
     if window:
         data["window"] = window
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark is not part of line 1
     except UnicodeDecodeError as exc:
         raise _invalid([_problem("file", "is not UTF-8 text", "unicode")]) from exc
     specs, lines = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Only "\n" ends a line: JSON strings may hold U+2028 and friends, which splitlines() cuts.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -211,6 +212,7 @@ def specs_from_submission(sub: Submission, s: Settings, now: datetime) -> list[J
             for field, e in errors]
         bad_lines += 1
         if bad_lines >= MAX_REPORTED_LINES:
+            problems.append(_problem("jobs", f"stopped checking after {bad_lines} bad lines"))
             break
     if problems:
         raise _invalid(problems)

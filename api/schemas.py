@@ -165,6 +165,7 @@ class JobPublic(BaseModel):
     deadline: datetime | None
     webhook_url: str | None
     metadata: dict[str, Any]
+    batch_id: str | None = Field(default=None, description="the batch it was submitted in")
     progress: float = Field(description="0..1; step / total")
     step: int
     total_steps: int

@@ -289,3 +289,30 @@ def test_report_counts_final_states_with_reasons_throughput_render_time_and_link
     assert batch["status"] == "finished" and batch["eta"] is None
     assert batch["progress"] == {"finished": 5, "total": 5, "fraction": 1.0,
                                  "step_fraction": 1.0}
+
+
+def test_jsonl_lines_end_only_at_newlines_and_a_byte_order_mark_is_ignored(api) -> None:
+    lines = "\ufeff" + json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False) + "\r\n" + \
+        json.dumps({"prompt": "c"}) + "\n"
+    r = api.client.post("/v1/batches", content=lines.encode(), params={
+        "defaults": json.dumps(DEFAULTS)}, headers={**api.auth("alice"),
+                                                    "Content-Type": "application/x-ndjson"})
+    assert r.status_code == 201, r.text
+    rows = _jobs(api, r.json()["id"])
+    assert [(j.batch_index, j.prompt) for j in rows] == [(1, "a\u2028b"), (2, "c")]
+    job = api.client.get(f"/v1/jobs/{rows[0].id}", headers=api.auth("alice")).json()
+    assert job["batch_id"] == r.json()["id"] and job["class"] == "batch"
+
+
+def test_a_file_of_many_bad_lines_reports_the_first_twenty_and_says_it_stopped(api) -> None:
+    settings = api.settings.model_copy(update={"max_queued_jobs_per_user": 100})
+    app = create_app(settings, engine=api.db.engine, redis=api.redis, store=api.store)
+    lines = _jsonl(*[{"prompt": "", "width": 64} for _ in range(50)])
+    with TestClient(app) as client:
+        r = client.post("/v1/batches", content=lines, headers={
+            **api.auth("alice"), "Content-Type": "application/x-ndjson"})
+    assert r.status_code == 422
+    errors = r.json()["errors"]
+    assert [e.get("line") for e in errors[:-1]] == list(range(1, 21))
+    assert errors[-1] == {"field": "jobs", "message": "stopped checking after 20 bad lines",
+                          "type": "value_error"}
