@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from api.deps import KeyCache
 from api.errors import BodySizeLimit, install_error_handlers
 from api.metrics import make_registry
-from api.routes import batches, jobs, system, videos
+from api.routes import batches, dashboard, jobs, system, videos
 from kiln.settings import Settings, get_settings
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, make_store
@@ -92,6 +92,7 @@ def create_app(
     app.include_router(batches.router)
     app.include_router(videos.router)
     app.include_router(system.router)
+    app.include_router(dashboard.router)
     return app
 
 

@@ -110,7 +110,10 @@ def up(
 
     env = dict(os.environ)
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # a service manager's stop: same as Ctrl-C
+    # A service manager's stop is the same as Ctrl-C; and Ctrl-C must work even when a shell
+    # started us in the background with SIGINT ignored.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_interrupt)
     settings = Settings()
     try:
         if settings.redis_url is None:

@@ -59,7 +59,7 @@ class WorkerConfig:
     use_allgather: bool = True
     poll_seconds: float = 0.05  # how often an idle coordinator looks for work
     idle_tick_seconds: float = 1.0  # longest an idle rank waits in a collective
-    report_seconds: float = 5.0  # how often the group reports itself (memory, current jobs)
+    report_seconds: float = 2.0  # how often the group reports itself (memory, current jobs)
     exit_when_idle_seconds: float | None = None  # stop after this long without work (tests)
     name: str = ""
 

@@ -13,9 +13,12 @@ from storage.models import Job, JobState, utcnow
 RENDER_SECONDS_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 
-def jobs_by_state(session: Session) -> dict[str, int]:
-    rows = session.execute(select(Job.state, func.count()).group_by(Job.state))
-    return {state: int(n) for state, n in rows}
+def jobs_by_state(session: Session, owner_id: int | None = None) -> dict[str, int]:
+    """Jobs per state; one owner's only when ``owner_id`` is given."""
+    query = select(Job.state, func.count()).group_by(Job.state)
+    if owner_id is not None:
+        query = query.where(Job.owner_id == owner_id)
+    return {state: int(n) for state, n in session.execute(query)}
 
 
 def queue_depth(session: Session) -> dict[tuple[str, int], int]:
@@ -44,11 +47,12 @@ def render_seconds_histogram(session: Session) -> tuple[list[int], int, float]:
     return buckets, int(row[-2] or 0), float(row[-1] or 0.0)
 
 
-def videos_finished_since(session: Session, since: datetime) -> int:
-    return int(session.scalar(
-        select(func.count()).select_from(Job)
-        .where(Job.state == JobState.SUCCEEDED, Job.finished_at >= since)
-    ) or 0)
+def videos_finished_since(session: Session, since: datetime, owner_id: int | None = None) -> int:
+    query = (select(func.count()).select_from(Job)
+             .where(Job.state == JobState.SUCCEEDED, Job.finished_at >= since))
+    if owner_id is not None:
+        query = query.where(Job.owner_id == owner_id)
+    return int(session.scalar(query) or 0)
 
 
 def videos_last_hour(session: Session, now: datetime | None = None) -> int:
