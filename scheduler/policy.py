@@ -37,7 +37,9 @@ boundary) with the jobs the other ranks are still running, so a rank whose job e
 one while the others go on.
 
 State per call: the queue holds one heap per (model, class, priority, user), so `schedule` looks
-at the heads of the non-empty queues (a few per user), not at every queued job.
+at the heads of the non-empty queues (a few per user), not at every queued job. The claim path
+builds a throwaway policy per call from the few candidates its Redis index returns
+(`scheduler.index.pick` applies the same order to choose them); the simulator keeps one.
 """
 
 from __future__ import annotations
