@@ -21,7 +21,6 @@ import math
 import mmap
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kiln.procs import free_port  # noqa: E402
 
 GB = 1e9
 MODES = ("naive", "rank-local", "allgather")
@@ -113,19 +114,13 @@ def _cgroup_usage() -> int | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_mode(mode: str, dp: int, path: str, width: int, num_blocks: int,
              probe: PageCacheProbe) -> dict[str, float]:
     probe.evict()
     cgroup_base = _cgroup_usage()
     ctx = mp.get_context("spawn")
     phases, release = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, dp, port, mode, path, width, num_blocks, phases,
                                              release)) for r in range(dp)]
     t0 = time.perf_counter()

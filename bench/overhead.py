@@ -15,7 +15,6 @@ import copy
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kiln.procs import free_port  # noqa: E402
 
 
 def _rank(rank: int, dp: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
@@ -70,9 +71,7 @@ def _rank(rank: int, dp: int, port: int, args: argparse.Namespace, out: mp.Queue
 def run(dp: int, args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, dp, port, args, out)) for r in range(dp)]
     for p in procs:
         p.start()

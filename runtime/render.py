@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from kiln.procs import free_port
 from runtime.pipelines.base import VideoPipeline, VideoRequest
 
 TINY_MODEL = "kiln-tiny"
@@ -138,12 +138,6 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
                       pss_bytes=pss, private_bytes=private, dlo=dlo)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rank_threads(world: int) -> int:
     """CPU threads per rank: the ranks share the machine's cores (without a limit each would
     start one thread per core)."""
@@ -188,7 +182,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
 
     ctx = tmp.get_context("spawn")
     messages = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_entry, args=(r, world, port, fn, args, messages),
                          daemon=True) for r in range(world)]
     for p in procs:

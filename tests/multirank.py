@@ -9,11 +9,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from kiln.procs import free_port
 
 
 @dataclass(frozen=True)
@@ -21,12 +22,6 @@ class RankError:
     type_name: str
     message: str
     traceback: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],

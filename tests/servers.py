@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import uvicorn
-from multirank import free_port
+
+from kiln.procs import free_port
 
 
 class Server:

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from multirank import free_port
 from servers import Server
 from sqlalchemy import select
 from typer.testing import CliRunner
 
 from api.app import create_app
 from kiln.cli import app as cli
+from kiln.procs import free_port
 from kiln.settings import Settings
 from storage import jobs
 from storage.models import Job

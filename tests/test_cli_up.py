@@ -12,7 +12,8 @@ from pathlib import Path
 
 import av
 import httpx
-from multirank import free_port
+
+from kiln.procs import free_port
 
 KILN = str(Path(sys.executable).with_name("kiln"))
 

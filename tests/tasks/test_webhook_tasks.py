@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from multirank import free_port
 from servers import Receiver
 from task_helpers import SECRET, fail, make_settings, submit, succeed, user
 
 from kiln import signing, tasks
+from kiln.procs import free_port
 from kiln.settings import get_settings
 from kiln.tasks import Context, deliver, sweep
 from storage import jobs, webhooks
