@@ -57,7 +57,7 @@ class WorkerConfig:
     model: str = "kiln-tiny"
     device: str = "cpu"  # cpu | cuda | npu
     use_allgather: bool = True
-    poll_seconds: float = 0.05  # how often an idle coordinator looks for work
+    poll_seconds: float = 0.05  # longest an idle coordinator waits for a wake before it looks
     idle_tick_seconds: float = 1.0  # longest an idle rank waits in a collective
     report_seconds: float = 2.0  # how often the group reports itself (memory, current jobs)
     exit_when_idle_seconds: float | None = None  # stop after this long without work (tests)
@@ -102,13 +102,18 @@ class RankStatus:
 class RankLoop:
     """One rank's side of the loop: its pipeline, its job, its outputs."""
 
-    def __init__(self, rank: int, pipe: VideoPipeline, store: Any, platform: Any) -> None:
+    def __init__(self, rank: int, pipe: VideoPipeline, store: Any, platform: Any,
+                 host_memory_every_seconds: float = 0.0) -> None:
         self.rank = rank
         self.pipe = pipe
         self.store = store
         self.platform = platform
         self.ticket: Ticket | None = None
         self.state: DenoiseState | None = None
+        # Reading /proc/self/smaps_rollup walks every mapping (the mmapped weights included):
+        # milliseconds per read, so it is read once per report, not once per step.
+        self.host_memory_every_seconds = host_memory_every_seconds
+        self._host_memory = (0, -float("inf"))  # (PSS bytes, when it was read)
 
     def apply(self, plan: Plan) -> list[RankStatus]:
         """Drop and/or start this rank's job; statuses of jobs that this ended."""
@@ -185,7 +190,10 @@ class RankLoop:
 
     def memory(self) -> dict[str, Any]:
         free, total = self.platform.mem_get_info()
-        _, pss, _ = memory_figures()
+        pss, read_at = self._host_memory
+        if time.monotonic() - read_at >= self.host_memory_every_seconds:
+            _, pss, _ = memory_figures()
+            self._host_memory = (pss, time.monotonic())
         return {"rank": self.rank, "device": str(self.platform.device),
                 "device_mem_used_bytes": total - free, "device_mem_total_bytes": total,
                 "host_mem_bytes": pss, "job_id": self._job_id()}
@@ -247,7 +255,18 @@ class Coordinator:
                 return plan
             if plan.drop or time.monotonic() >= deadline:
                 return plan
-            time.sleep(self.config.poll_seconds)
+            self._wait_for_work()
+
+    def _wait_for_work(self) -> None:
+        """Up to ``poll_seconds``, cut short when a submission announces work in Redis."""
+        from redis import RedisError
+
+        from storage.ready import wait_for_work
+
+        try:
+            wait_for_work(self.redis, self.settings.redis_prefix, self.config.poll_seconds)
+        except RedisError:
+            time.sleep(self.config.poll_seconds)  # the claim that follows reports the outage
 
     def _claim(self, free: list[int]) -> dict[int, Ticket]:
         from scheduler.claim import claim_for_group
@@ -367,7 +386,8 @@ def run_rank(rank: int, world: int, settings: Settings, config: WorkerConfig,
     control = dist.new_group(backend="gloo") if platform.is_accelerator else dist.group.WORLD
     pipe = load_pipeline(config.model, device=platform.device,
                          use_allgather=config.use_allgather)
-    loop = RankLoop(rank, pipe, make_store(settings), platform)
+    loop = RankLoop(rank, pipe, make_store(settings), platform,
+                    host_memory_every_seconds=config.report_seconds)
     coordinator = None
     if rank == 0:
         mode = "allgather" if config.use_allgather and world > 1 else "rank_local"

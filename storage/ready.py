@@ -11,7 +11,11 @@ time), so ``ZRANGEBYSCORE key -inf <now>`` yields the due jobs oldest first. `re
 the 20 keys in the order they should be served: interactive 9..0, then batch 9..0.
 
 `add` also appends each id to the list ``P + "ready:new"`` (the newest ``NEW_CAP`` kept), from
-which the batcher's per-user index (``scheduler.index``) learns of new entries without scanning.
+which the batcher's per-user index (``scheduler.index``) learns of new entries without scanning,
+and one token to ``P + "ready:wake"`` (at most ``WAKE_CAP`` kept): an idle worker group blocks on
+that list (`wait_for_work`) instead of sleeping between looks, so a job submitted to an idle group
+starts within a Redis round trip. A lost or extra token costs nothing but a look: the groups
+still look on their own every poll interval.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ _CHUNK = 1000
 # Ids announced to the batcher but not yet taken; beyond this the oldest are dropped (the
 # batcher's periodic reconcile finds those jobs in the database instead).
 NEW_CAP = 100_000
+# Wake tokens kept for idle worker groups: enough to wake every group of a large deployment for
+# a burst of submissions, few enough that a backlog of them makes only a few needless looks.
+WAKE_CAP = 64
 
 
 def ready_key(prefix: str, job_class: str, priority: int) -> str:
@@ -38,6 +45,10 @@ def ready_key(prefix: str, job_class: str, priority: int) -> str:
 
 def new_key(prefix: str) -> str:
     return f"{prefix}ready:new"
+
+
+def wake_key(prefix: str) -> str:
+    return f"{prefix}ready:wake"
 
 
 def ready_keys(prefix: str) -> list[str]:
@@ -64,7 +75,15 @@ def add(redis: Redis, prefix: str, jobs: Iterable[Job]) -> None:
     if ids:
         pipe.rpush(new_key(prefix), *ids)
         pipe.ltrim(new_key(prefix), -NEW_CAP, -1)
+        pipe.rpush(wake_key(prefix), "1")
+        pipe.ltrim(wake_key(prefix), -WAKE_CAP, -1)
         pipe.execute()
+
+
+def wait_for_work(redis: Redis, prefix: str, timeout_seconds: float) -> bool:
+    """Blocks until `add` announces new work or ``timeout_seconds`` pass; True if it did."""
+    # BLPOP's timeout is in seconds (fractions allowed); 0 would mean "forever".
+    return redis.blpop([wake_key(prefix)], timeout=max(timeout_seconds, 0.001)) is not None
 
 
 def remove(redis: Redis, prefix: str, job: Job) -> None:
