@@ -58,6 +58,10 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
             p.add(field, f"must be a multiple of {s.size_multiple}, got {value}")
     if spec.num_frames > s.max_num_frames:
         p.add(frames_field, f"at most {s.max_num_frames} frames, got {spec.num_frames}")
+    elif (spec.num_frames - 1) % s.frame_stride:
+        p.add(frames_field, f"must be 1 + a multiple of {s.frame_stride} frames "
+                            f"(1, {1 + s.frame_stride}, {1 + 2 * s.frame_stride}, ...), "
+                            f"got {spec.num_frames}")
     if spec.fps > s.max_fps:
         p.add("fps", f"at most {s.max_fps}, got {spec.fps}")
     if spec.num_inference_steps > s.max_num_inference_steps:
@@ -127,7 +131,9 @@ def spec_from_video_create(body: VideoCreate, s: Settings, now: datetime) -> Job
         seconds = int(body.seconds)
         if seconds < 1:
             p.add("seconds", "must be at least 1")
-        num_frames = max(1, seconds * fps)
+        # Wan's convention: N seconds at F fps is 1 + N*F frames (5 s at 16 fps: 81), rounded
+        # up to the frame stride the video VAE needs.
+        num_frames = 1 + -(-seconds * fps // s.frame_stride) * s.frame_stride
     # The OpenAI SDK defaults to its own model names; those mean "the default model" here.
     model = body.model if body.model in s.models else s.default_model
     if body.model is not None and body.model not in s.models and not body.model.startswith(
@@ -238,7 +244,7 @@ def video_public(job: Job) -> VideoPublic:
         progress = min(99, int(100 * job.progress_step / total))
     else:
         progress = 0
-    seconds = job.num_frames / job.fps
+    seconds = (job.num_frames - 1) / job.fps
     error = None
     if status_ == "failed":
         error = VideoError(code=job.error_code or job.state, message=job.error or job.state)

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     max_width: int = Field(default=1920, ge=16)
     max_height: int = Field(default=1920, ge=16)
     size_multiple: int = Field(default=8, ge=1)  # latent patching needs sizes divisible by this
+    # Video VAEs compress time by this factor after the first frame (Wan, kiln-tiny: 4), so a
+    # video has 1 + k * frame_stride frames.
+    frame_stride: int = Field(default=4, ge=1)
     max_num_frames: int = Field(default=257, ge=1)
     max_fps: int = Field(default=60, ge=1)
     default_fps: int = Field(default=8, ge=1)

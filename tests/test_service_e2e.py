@@ -134,3 +134,29 @@ def test_six_jobs_from_two_users_render_on_both_ranks_and_match_kiln_render(
         ranks = {s.scalar(select(Job.rank).where(Job.id == job_id)) for _, job_id in submitted}
     assert ranks == {0, 1}, "both ranks rendered jobs"
     assert all("running" in states or "succeeded" in states for states in seen_states.values())
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API is scheduled:DeprecationWarning")
+def test_openai_sdk_creates_polls_until_completed_and_downloads_a_rendered_video(
+        service: Any, tmp_path: Path) -> None:
+    import openai
+
+    url, keys, _, _ = service
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["alice"], max_retries=0, timeout=30)
+    video = client.videos.create(prompt="a red circle moving left", model="kiln-tiny",
+                                 size="64x64", seconds="1",  # type: ignore[arg-type]
+                                 extra_body={"num_inference_steps": 4, "seed": 3})
+    seen = [video.status]
+    deadline = time.monotonic() + 120
+    while video.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.1)
+        video = client.videos.retrieve(video.id)
+        seen.append(video.status)
+    assert video.status == "completed" and video.progress == 100, (video, seen)
+    path = tmp_path / "sdk.mp4"
+    client.videos.download_content(video.id).write_to_file(path)
+    frames = _decoded(path)
+    assert frames.shape[1:] == (64, 64, 3) and frames.shape[0] >= 8
+    thumb = client.videos.download_content(video.id, variant="thumbnail")
+    assert thumb.read()[:8] == b"\x89PNG\r\n\x1a\n"

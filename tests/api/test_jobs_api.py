@@ -254,3 +254,10 @@ def test_revoked_keys_stop_working_once_the_key_cache_expires(api) -> None:
     r = api.client.get("/v1/jobs", headers=api.auth("bob"))
     assert r.status_code == 401 and r.json()["detail"] == "invalid or revoked API key"
     assert api.client.get("/v1/jobs", headers=api.auth("alice")).status_code == 200
+
+
+def test_frame_count_off_the_vae_stride_is_a_422_naming_num_frames(api) -> None:  # noqa: ANN001
+    r = _submit(api, num_frames=8)
+    assert r.status_code == 422
+    assert "num_frames" in r.text and "1 + a multiple of 4" in r.text
+    assert _submit(api, num_frames=13).status_code == 201

@@ -60,7 +60,8 @@ def test_sdk_create_retrieve_and_list_a_queued_video(api, base_url: str) -> None
     again = sdk.videos.retrieve(video.id)
     assert (again.id, again.status) == (video.id, "queued")
     native = api.client.get(f"/v1/jobs/{video.id}", headers=api.auth("alice")).json()
-    assert (native["width"], native["num_frames"], native["fps"]) == (64, 8, 8)
+    # 1 s at 8 fps is 1 + 8 frames (the VAE's frame stride of 4 after the first frame).
+    assert (native["width"], native["num_frames"], native["fps"]) == (64, 9, 8)
 
     default = sdk.videos.create(prompt="no options")  # the SDK's own default model name
     assert default.model == "kiln-tiny"
