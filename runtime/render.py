@@ -265,6 +265,28 @@ def generate_on_ranks(model: str, requests: list[VideoRequest], dp: int, *,
     return run_ranks(dp, _generate_on_rank, model, requests, use_allgather, timeout_s=timeout_s)
 
 
+def _generate_rounds_on_rank(rank: int, world: int, messages: Any, model: str,
+                             requests: list[VideoRequest], use_allgather: bool) -> list[Any]:
+    pipe = load_pipeline(model, device="cpu", use_allgather=use_allgather)  # gloo ranks
+    try:
+        frames = []
+        for start in range(0, len(requests), world):
+            out = run_lockstep(pipe, rank, requests[start:start + world])
+            frames.append(out.cpu().numpy() if out is not None else None)
+        return frames
+    finally:
+        pipe.close()
+
+
+def generate_in_rounds(model: str, requests: list[VideoRequest], dp: int, *,
+                       use_allgather: bool = True, timeout_s: float = 600.0) -> list[Any]:
+    """Float frames ([N, H, W, 3] numpy) per request, any number of them: ``dp`` at a time in
+    lock-step (request i on rank i % dp), every rank loading the model once."""
+    per_rank = run_ranks(dp, _generate_rounds_on_rank, model, requests, use_allgather,
+                         timeout_s=timeout_s)
+    return [per_rank[i % dp][i // dp] for i in range(len(requests))]
+
+
 def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str], *,
            dp: int = 1, fps: int = 16, use_allgather: bool = True,
            on_step: Callable[[int, int], None] | None = None,

@@ -21,6 +21,7 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,8 @@ from torch import nn
 
 PAD_ID = 0
 BOS_ID = 1
+# Weights trained by scripts/train_tiny.py on procedural shape clips (runtime.models.shapes).
+TRAINED_WEIGHTS = Path(__file__).with_name("kiln_tiny.safetensors")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,7 +49,7 @@ class TinyConfig:
     text_layers: int = 2
     vocab_size: int = 4096
     text_len: int = 32  # tokens per prompt, BOS included
-    decoder_channels: int = 64
+    decoder_channels: int = 128
     init_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -272,10 +275,16 @@ class KilnTiny(nn.Module):
         self.decoder = TinyDecoder(self.cfg)
 
 
-def build_tiny(cfg: TinyConfig | None = None) -> KilnTiny:
-    """kiln-tiny with its deterministic random initialisation (same weights in every process)."""
+def build_tiny(cfg: TinyConfig | None = None, *, trained: bool = True) -> KilnTiny:
+    """kiln-tiny with the trained weights shipped with kiln (the default configuration, when
+    the file is there), else its deterministic random initialisation; the same weights in
+    every process either way."""
     cfg = cfg or TinyConfig()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         model = KilnTiny(cfg)
+    if trained and cfg == TinyConfig() and TRAINED_WEIGHTS.is_file():
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(TRAINED_WEIGHTS))
     return model.eval().requires_grad_(False)
