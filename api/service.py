@@ -24,6 +24,7 @@ from api.schemas import (
     metadata_bytes,
 )
 from kiln.settings import Settings
+from scheduler import index as scheduler_index
 from storage import jobs, ready
 from storage.jobs import Created, JobSpec
 from storage.models import Job, JobClass, JobState, User, utcnow
@@ -195,6 +196,7 @@ def dispatch(redis: Redis, s: Settings, new_jobs: list[Job]) -> None:
 def unindex(redis: Redis, s: Settings, job: Job) -> None:
     try:
         ready.remove(redis, s.redis_prefix, job)
+        scheduler_index.remove(redis, s.redis_prefix, [job.id])
     except RedisError:
         # A stale entry is harmless: the batcher's claim refuses a job that is not queued.
         log.warning("Redis unavailable; stale ready entry for %s left behind", job.id)

@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kiln import signing
 from kiln.settings import Settings, get_settings
+from scheduler import index as scheduler_index
 from storage import jobs, ready, retention, webhooks
 from storage.db import make_engine, make_session_factory
 from storage.models import Job, JobState, utcnow
@@ -285,8 +286,11 @@ def reap_leases(ctx: Context, *, now: datetime | None = None) -> Reaping:
 
 
 def reconcile(ctx: Context) -> ready.Rebuilt:
+    """Both Redis views of the queue from the database: the ready index and the batcher's."""
     with ctx.sessions() as session:
-        return ready.rebuild_ready_index(session, ctx.redis, ctx.settings.redis_prefix)
+        rebuilt = ready.rebuild_ready_index(session, ctx.redis, ctx.settings.redis_prefix)
+        scheduler_index.reconcile(session, ctx.redis, ctx.settings.redis_prefix)
+        return rebuilt
 
 
 def clean_up(ctx: Context, *, now: datetime | None = None) -> list[str]:

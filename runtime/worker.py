@@ -94,6 +94,7 @@ class RankStatus:
     thumbnail_key: str | None = None
     error: str | None = None
     retryable: bool = False  # the worker, not the request, was at fault
+    compute_seconds: float = 0.0  # this rank's time in its job's steps (excludes idle steps)
     memory: dict[str, Any] = field(default_factory=dict)
 
 
@@ -110,6 +111,7 @@ class RankLoop:
         self.platform = platform
         self.ticket: Ticket | None = None
         self.state: DenoiseState | None = None
+        self.compute_seconds = 0.0  # spent in the current job's steps
         # Reading /proc/self/smaps_rollup walks every mapping (the mmapped weights included):
         # milliseconds per read, so it is read once per report, not once per step.
         self.host_memory_every_seconds = host_memory_every_seconds
@@ -135,17 +137,15 @@ class RankLoop:
         if self.state is None:
             self.pipe.idle_step()
             return None
-        targets = [h.num_acquired + self.pipe.forwards_per_step * h.num_blocks
-                   for h in self.pipe.handles if h is not None]
+        started = time.perf_counter()
         try:
             self.pipe.step(self.state)
         except Exception as exc:
+            # pipe.step has already issued the gathers this step did not, so the other ranks'
+            # forwards complete; only this job fails.
             log.exception("rank %d: step failed for job %s", self.rank, self._job_id())
-            # Issue the gathers this step did not, so the other ranks' forwards complete.
-            for handle, target in zip((h for h in self.pipe.handles if h is not None), targets,
-                                      strict=True):
-                handle.idle_until(target)
             return self._end(outcome="failed", error=f"render failed: {exc}")
+        self.compute_seconds += time.perf_counter() - started
         if not self.state.done:
             return None
         try:
@@ -175,6 +175,7 @@ class RankLoop:
     def _end(self, **kwargs: Any) -> RankStatus:
         status = self._status(**kwargs)
         self.ticket = self.state = None
+        self.compute_seconds = 0.0
         return status
 
     def _status(self, **kwargs: Any) -> RankStatus:
@@ -182,7 +183,7 @@ class RankLoop:
         return RankStatus(rank=self.rank, job_id=t.job_id if t else None,
                           attempt_token=t.attempt_token if t else None,
                           step=s.step_index if s else 0, total=s.num_steps if s else 0,
-                          **kwargs)
+                          compute_seconds=self.compute_seconds, **kwargs)
 
     def progress(self) -> RankStatus:
         """The running job's step count (no outcome yet)."""
@@ -325,8 +326,9 @@ class Coordinator:
         assert st.job_id is not None and st.attempt_token is not None
         if st.outcome == "succeeded":
             assert st.video_key is not None
-            jobs.finish_succeeded(session, st.job_id, st.attempt_token, video_key=st.video_key,
-                                  thumbnail_key=st.thumbnail_key)
+            if jobs.finish_succeeded(session, st.job_id, st.attempt_token,
+                                     video_key=st.video_key, thumbnail_key=st.thumbnail_key):
+                self._learn_cost(session, st)
         elif st.outcome == "cancelled":
             if not jobs.finish_cancelled(session, st.job_id, st.attempt_token):
                 log.info("job %s: dropped (%s)", st.job_id, st.error)
@@ -342,6 +344,24 @@ class Coordinator:
         from kiln.tasks import enqueue_job_finished
 
         enqueue_job_finished(session, st.job_id)
+
+    def _learn_cost(self, session: Any, st: RankStatus) -> None:
+        """Teach the batcher this job's real cost (its rank's own step time, not lock-step
+        wall time, which includes waiting for slower ranks)."""
+        from redis.exceptions import RedisError
+
+        from scheduler.claim import job_tokens, record_result
+        from storage.models import Job
+
+        job = session.get(Job, st.job_id)
+        if job is None:
+            return
+        try:
+            record_result(self.redis, prefix=self.settings.redis_prefix, job_id=job.id,
+                          model=job.model, num_tokens=job_tokens(job), num_steps=st.total,
+                          render_seconds=st.compute_seconds)
+        except RedisError:
+            log.warning("could not record the cost of job %s", job.id, exc_info=True)
 
     def report(self, ranks: list[dict[str, Any]], state: str = "ready") -> None:
         from storage.workers import GroupReport, report_group

@@ -9,10 +9,6 @@ backends, and the worker group in its own process group of CPU ranks sharing the
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -21,15 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
-from servers import Server
+from servers import running_service
 from sqlalchemy import select
 
-from api.app import create_app
-from kiln.settings import Settings
 from storage.models import Job
-from storage.users import create_api_key
 
-KILN = str(Path(sys.executable).with_name("kiln"))
 NUM_JOBS = 20
 DEFAULTS = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}
 OPENS_AFTER_SECONDS = 4.0
@@ -38,38 +30,10 @@ OPENS_AFTER_SECONDS = 4.0
 @pytest.fixture
 def service(db: Any, redis_client: Any, redis_prefix: str,
             tmp_path: Path) -> Iterator[tuple[httpx.Client, Any]]:
-    env = {"KILN_DATABASE_URL": db.url, "REDIS_URL": "redis://127.0.0.1:6379/0",
-           "KILN_REDIS_PREFIX": redis_prefix, "KILN_OUTPUT_DIR": str(tmp_path / "outputs")}
-    settings = Settings(_env_file=None, database_url=env["KILN_DATABASE_URL"],  # type: ignore[call-arg]
-                        redis_url=env["REDIS_URL"], redis_prefix=redis_prefix,
-                        output_dir=tmp_path / "outputs")
-    with db.session() as s:
-        key = create_api_key(s, "night-owl").key
-    worker = subprocess.Popen([KILN, "worker", "--dp", "2"], env={**os.environ, **env},
-                              start_new_session=True)
-    try:
-        app = create_app(settings, engine=db.engine, redis=redis_client)
-        with Server(app) as url, httpx.Client(
-                base_url=url, timeout=30, headers={"Authorization": f"Bearer {key}"}) as client:
-            _wait_for_worker_group(client, worker)
-            yield client, db
-    finally:
-        os.killpg(worker.pid, signal.SIGINT)  # a graceful stop: running jobs finish or requeue
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
-
-
-def _wait_for_worker_group(client: httpx.Client, worker: subprocess.Popen[bytes]) -> None:
-    """Until the group has loaded its model and reported: the window must open on a worker
-    that is ready to claim, or "nothing ran before it" would prove nothing."""
-    deadline = time.monotonic() + 120
-    while not any(g["state"] == "ready" for g in client.get("/v1/workers").json()["data"]):
-        assert worker.poll() is None, f"the worker exited with {worker.returncode}"
-        assert time.monotonic() < deadline, "the worker group never reported ready"
-        time.sleep(0.2)
+    with running_service(db, redis_client, redis_prefix, tmp_path, users=["night-owl"]) as svc, \
+            httpx.Client(base_url=svc.url, timeout=30,
+                         headers={"Authorization": f"Bearer {svc.keys['night-owl']}"}) as client:
+        yield client, db
 
 
 def test_overnight_batch_waits_for_its_window_then_renders_all_and_reports_them(

@@ -6,10 +6,6 @@ backends, and ``kiln worker --dp 2`` in its own process group of CPU ranks shari
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,18 +16,14 @@ import av
 import httpx
 import numpy as np
 import pytest
-from servers import Server
+from servers import Service, running_service
 from sqlalchemy import select
 
-from api.app import create_app
-from kiln.settings import Settings
 from runtime.pipelines.base import VideoRequest
 from runtime.render import frames_to_uint8, load_pipeline
 from storage.models import Job
-from storage.users import create_api_key
 from storage.video import write_outputs
 
-KILN = str(Path(sys.executable).with_name("kiln"))
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9,
        "num_inference_steps": 4, "fps": 8}
 
@@ -42,34 +34,14 @@ def _decoded(path: Path) -> np.ndarray:
 
 
 @pytest.fixture
-def service(db: Any, redis_client: Any, redis_prefix: str,
-            tmp_path: Path) -> Iterator[tuple[str, dict[str, str], Settings, Any]]:
-    env = {"KILN_DATABASE_URL": db.url, "REDIS_URL": "redis://127.0.0.1:6379/0",
-           "KILN_REDIS_PREFIX": redis_prefix, "KILN_OUTPUT_DIR": str(tmp_path / "outputs")}
-    settings = Settings(_env_file=None, database_url=env["KILN_DATABASE_URL"],  # type: ignore[call-arg]
-                        redis_url=env["REDIS_URL"], redis_prefix=redis_prefix,
-                        output_dir=tmp_path / "outputs")
-    with db.session() as s:
-        keys = {"alice": create_api_key(s, "alice").key, "bob": create_api_key(s, "bob").key}
-    worker = subprocess.Popen([KILN, "worker", "--dp", "2"], env={**os.environ, **env},
-                              start_new_session=True)
-    try:
-        # The test's own engine and client: closed by their fixtures, not left to the collector.
-        app = create_app(settings, engine=db.engine, redis=redis_client)
-        with Server(app) as url:
-            yield url, keys, settings, db
-    finally:
-        os.killpg(worker.pid, signal.SIGINT)  # a graceful stop: running jobs finish or requeue
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+def service(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> Iterator[Service]:
+    with running_service(db, redis_client, redis_prefix, tmp_path) as svc:
+        yield svc
 
 
 def test_six_jobs_from_two_users_render_on_both_ranks_and_match_kiln_render(
         service: Any, tmp_path: Path) -> None:
-    url, keys, settings, db = service
+    url, keys, db = service.url, service.keys, service.db
     specs = [("alice" if i % 2 else "bob", {**JOB, "prompt": f"shape number {i}", "seed": 100 + i})
              for i in range(6)]
 
@@ -141,7 +113,7 @@ def test_openai_sdk_creates_polls_until_completed_and_downloads_a_rendered_video
         service: Any, tmp_path: Path) -> None:
     import openai
 
-    url, keys, _, _ = service
+    url, keys = service.url, service.keys
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=keys["alice"], max_retries=0, timeout=30)
     video = client.videos.create(prompt="a red circle moving left", model="kiln-tiny",
                                  size="64x64", seconds="1",  # type: ignore[arg-type]
