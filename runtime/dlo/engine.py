@@ -267,8 +267,7 @@ class DLOHandle:
                 self._stream_whole_block(lay, slot)
             ready = p.record_event(self._side_stream)
         if p.is_accelerator:
-            with self._lock:
-                self._timing_events.append(("gather", start, ready))
+            self._add_timing("gather", start, ready)
         else:
             with self._lock:
                 self._gather_seconds += time.perf_counter() - t0
@@ -317,13 +316,33 @@ class DLOHandle:
         if p.is_accelerator:
             before = p.record_event()
             p.wait_event(ready)  # compute must not read the slot before the gather lands
-            with self._lock:
-                self._timing_events.append(("wait", before, p.record_event()))
+            self._add_timing("wait", before, p.record_event())
         else:
             with self._lock:
                 self._wait_seconds += time.perf_counter() - t0
         self._prefetch(self._next(index), slot=1 - slot)
         return slot
+
+    def _add_timing(self, kind: str, start: Any, end: Any) -> None:
+        """Keep an accelerator interval to sum later; fold finished ones in as the list grows,
+        so a worker that renders all night without calling stats() holds a bounded list."""
+        with self._lock:
+            self._timing_events.append((kind, start, end))
+            if len(self._timing_events) < 512:
+                return
+            pending = []
+            for k, a, b in self._timing_events:
+                if b.query():
+                    self._add_seconds(k, self.platform.event_elapsed_seconds(a, b))
+                else:
+                    pending.append((k, a, b))
+            self._timing_events = pending
+
+    def _add_seconds(self, kind: str, seconds: float) -> None:
+        if kind == "gather":
+            self._gather_seconds += seconds
+        else:
+            self._wait_seconds += seconds
 
     def _release(self, index: int, slot: int) -> None:
         # Recorded on the compute stream: the next fill of this slot waits for it.
@@ -401,13 +420,9 @@ class DLOHandle:
         if self._timing_events:
             self.platform.synchronize()
             with self._lock:
-                events, self._timing_events = self._timing_events, []
-            for kind, start, end in events:
-                seconds = self.platform.event_elapsed_seconds(start, end)
-                if kind == "gather":
-                    self._gather_seconds += seconds
-                else:
-                    self._wait_seconds += seconds
+                for kind, start, end in self._timing_events:
+                    self._add_seconds(kind, self.platform.event_elapsed_seconds(start, end))
+                self._timing_events = []
         host_bytes = (
             self._slab.numel() if self._slab is not None
             else self._staging.numel() if self._staging is not None else 0
