@@ -95,8 +95,9 @@ def make_key(url: str) -> str:
 
 @contextlib.contextmanager
 def process(argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """A child in its own process group, stopped with SIGINT (graceful), then SIGKILL."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, cwd=ROOT)
+    """A child in its own process group, stopped with SIGINT (graceful), then SIGKILL; its
+    output goes to stderr, so that stdout carries only the figures."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, cwd=ROOT, stdout=sys.stderr)
     try:
         yield proc
     finally:

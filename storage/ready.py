@@ -20,10 +20,12 @@ still look on their own every poll interval.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from redis import Redis
+from redis.exceptions import NoScriptError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -90,18 +92,33 @@ def remove(redis: Redis, prefix: str, job: Job) -> None:
     redis.zrem(ready_key(prefix, job.class_, job.priority), job.id)
 
 
+# KEYS: the ready keys served before the job's, then its own; ARGV[1]: the job id. One command
+# instead of a ZCARD per key ahead (up to 19) and a ZRANK: every submit response asks for it.
+_POSITION = """
+local ahead = 0
+for i = 1, #KEYS - 1 do
+  ahead = ahead + redis.call('ZCARD', KEYS[i])
+end
+local rank = redis.call('ZRANK', KEYS[#KEYS], ARGV[1])
+if not rank then
+  return -1
+end
+return ahead + rank
+"""
+_POSITION_SHA = hashlib.sha1(_POSITION.encode()).hexdigest()
+
+
 def position(redis: Redis, prefix: str, job: Job) -> int | None:
     """Entries ahead of ``job`` in serving order, from the index in O(log n); None if the job is
     not in the index (not queued, or the index is being rebuilt)."""
     mine = ready_key(prefix, job.class_, job.priority)
-    pipe = redis.pipeline(transaction=False)
-    for key in ready_keys(prefix):
-        if key == mine:
-            break
-        pipe.zcard(key)
-    pipe.zrank(mine, job.id)
-    *ahead, rank = pipe.execute()
-    return None if rank is None else sum(ahead) + int(rank)
+    keys = ready_keys(prefix)
+    keys = [*keys[: keys.index(mine)], mine]
+    try:
+        found = redis.evalsha(_POSITION_SHA, len(keys), *keys, job.id)
+    except NoScriptError:  # the first call after Redis started (or flushed its scripts)
+        found = redis.eval(_POSITION, len(keys), *keys, job.id)
+    return None if int(found) < 0 else int(found)
 
 
 @dataclass(frozen=True, slots=True)
