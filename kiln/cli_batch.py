@@ -17,8 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from kiln.cli import app
-from kiln.cli_client import DEFAULT_API_URL, ApiError, ApiKey, ApiUrl, Client
-from kiln.cli_client import _fail as fail
+from kiln.cli_client import DEFAULT_API_URL, ApiKey, ApiUrl, call
 
 batch_app = typer.Typer(no_args_is_help=True, help="Overnight batches: submit a JSONL of jobs, "
                         "follow the batch, read its report.")
@@ -96,13 +95,8 @@ def submit(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--window") from None
         form["not_before"], form["deadline"] = not_before.isoformat(), deadline.isoformat()
-    with Client(api, key) as client:
-        try:
-            batch = client.request(
-                "POST", "/v1/batches", data=form,
-                files={"file": (file.name, file.read_bytes(), "application/x-ndjson")}).json()
-        except ApiError as exc:
-            fail(exc)
+    batch = call(api, key, "POST", "/v1/batches", data=form,
+                 files={"file": (file.name, file.read_bytes(), "application/x-ndjson")})
     typer.echo(batch["id"])
     when = ""
     if batch.get("not_before"):
@@ -118,11 +112,7 @@ def status(
     key: ApiKey = None,
 ) -> None:
     """Where a batch stands: jobs per state, progress, ETA, times."""
-    with Client(api, key) as client:
-        try:
-            batch = client.request("GET", f"/v1/batches/{batch_id}").json()
-        except ApiError as exc:
-            fail(exc)
+    batch = call(api, key, "GET", f"/v1/batches/{batch_id}")
     if as_json:
         typer.echo(json.dumps(batch, indent=2))
         return
@@ -162,11 +152,7 @@ def report(
     key: ApiKey = None,
 ) -> None:
     """The morning report: outcomes, throughput, render time, failures with their reasons."""
-    with Client(api, key) as client:
-        try:
-            found = client.request("GET", f"/v1/batches/{batch_id}/report").json()
-        except ApiError as exc:
-            fail(exc)
+    found = call(api, key, "GET", f"/v1/batches/{batch_id}/report")
     if as_json:
         typer.echo(json.dumps(found, indent=2))
         return

@@ -98,10 +98,19 @@ class Client:
         return out.stat().st_size
 
 
-def _fail(exc: ApiError) -> NoReturn:
+def fail(exc: ApiError) -> NoReturn:
     suffix = f" (HTTP {exc.status})" if exc.status is not None else ""
     typer.echo(f"error: {exc}{suffix}", err=True)
     raise typer.Exit(1)
+
+
+def call(api: str, key: str | None, method: str, path: str, **kwargs: Any) -> Any:
+    """One API request for a CLI command: the response's JSON, or a one-line error and exit 1."""
+    with Client(api, key) as client:
+        try:
+            return client.request(method, path, **kwargs).json()
+        except ApiError as exc:
+            fail(exc)
 
 
 def _size(value: str) -> tuple[int, int]:
@@ -196,7 +205,7 @@ def submit(
                 num_bytes = client.download(job["id"], out)
                 typer.echo(f"saved {out} ({num_bytes} bytes)", err=True)
         except ApiError as exc:
-            _fail(exc)
+            fail(exc)
 
 
 @app.command()
@@ -219,7 +228,7 @@ def status(
                 return
             jobs = client.request("GET", "/v1/jobs", params={"limit": limit}).json()["data"]
         except ApiError as exc:
-            _fail(exc)
+            fail(exc)
     if as_json:
         typer.echo(json.dumps(jobs, indent=2))
     else:
@@ -272,11 +281,7 @@ def cancel(
     key: ApiKey = None,
 ) -> None:
     """Cancel a job: a queued one at once, a running one after its current step."""
-    with Client(api, key) as client:
-        try:
-            job = client.request("POST", f"/v1/jobs/{job_id}/cancel").json()
-        except ApiError as exc:
-            _fail(exc)
+    job = call(api, key, "POST", f"/v1/jobs/{job_id}/cancel")
     if job["status"] == "cancelled":
         typer.echo(f"cancelled {job_id}")
     else:
