@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import secrets
 import string
 from collections.abc import Sequence
@@ -32,9 +33,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, case, func, insert, or_, select, update
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, make_transient_to_detached
+from sqlalchemy.orm.attributes import set_committed_value
 
 from storage.models import (
     JOB_ID_LENGTH,
@@ -142,9 +145,8 @@ def create_job(
     now = now or utcnow()
     job = new_job_row(owner.id, spec, request_hash=request_hash,
                       idempotency_key=idempotency_key, max_attempts=max_attempts, now=now)
-    session.add(job)
-    session.add(JobEvent(job_id=job.id, at=now, kind="created", attempt=0))
     try:
+        _insert_created(session, job, now)
         session.commit()
     except IntegrityError:
         # A concurrent request with the same idempotency key won the unique constraint.
@@ -156,6 +158,47 @@ def create_job(
             raise
         return _replay(existing, request_hash)
     return Created(job=job, created=True)
+
+
+def _insert_created(session: Session, job: Job, now: datetime) -> None:
+    """Inserts ``job`` (transient) and its ``created`` event, then attaches the row to
+    ``session`` as if it had been loaded.
+
+    A submit is the API's hottest path: one prebuilt statement with bound parameters costs less
+    CPU than the unit of work flushing two new objects, and on PostgreSQL the event rides in the
+    same statement as the row (one round trip instead of two).
+    """
+    params = {}
+    for attr in sa_inspect(Job).column_attrs:
+        if attr.key not in job.__dict__:
+            set_committed_value(job, attr.key, None)  # as loaded: no lazy load on first read
+        params[f"new_{attr.columns[0].key}"] = getattr(job, attr.key)
+    params.update(event_at=now, event_kind="created", event_attempt=0, event_detail={})
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(_created_statements()[0], params)
+    else:  # SQLite has no INSERT inside WITH
+        for stmt in _created_statements()[1:]:
+            session.execute(stmt, params)
+    make_transient_to_detached(job)
+    session.add(job)
+
+
+@functools.cache
+def _created_statements() -> tuple[Any, Any, Any]:
+    """(job and event in one statement for PostgreSQL, the job alone, the event alone), built
+    once so that each submit only binds its values."""
+    jobs_table, events_table = Job.__table__, JobEvent.__table__
+    # Parameter names must differ from the column names, which insert() reserves.
+    add_job = insert(jobs_table).values({c: bindparam(f"new_{c.key}", type_=c.type)
+                                         for c in jobs_table.c})
+    event = {"at": bindparam("event_at", type_=events_table.c.at.type),
+             "kind": bindparam("event_kind", type_=events_table.c.kind.type),
+             "attempt": bindparam("event_attempt", type_=events_table.c.attempt.type),
+             "detail": bindparam("event_detail", type_=events_table.c.detail.type)}
+    added = add_job.returning(jobs_table.c.id).cte("added_job")
+    both = insert(events_table).from_select(["job_id", *event], select(added.c.id, *event.values()))
+    add_event = insert(events_table).values(job_id=bindparam("new_id"), **event)
+    return both, add_job, add_event
 
 
 def check_queue_room(session: Session, owner_id: int, max_queued: int, adding: int = 1) -> None:
