@@ -60,7 +60,7 @@ def test_map_tiles_refuses_a_plan_for_another_item_count():
 @pytest.mark.parametrize("tile", [1, 2, 5])
 def test_tiny_decoder_tiled_equals_one_pass_bit_for_bit(tile):
     decoder = build_tiny().decoder
-    z = torch.randn(7, 8, 8, 12)
+    z = torch.randn(7, decoder.cfg.latent_channels, 8, 12)
     whole = decoder(z)
     per = decoder.bytes_per_item(64, 96)
     tiled = map_tiles(decoder, z, torch.empty_like(whole),

@@ -49,7 +49,7 @@ def test_tiny_is_a_few_megabytes_with_most_weights_in_the_streamed_blocks():
 
 def test_tiny_transformer_keeps_the_latent_shape():
     model = build_tiny()
-    x = torch.randn(1, 8, 3, 8, 8)
+    x = torch.randn(1, model.cfg.latent_channels, 3, 8, 8)
     text = model.text_encoder(*model.tokenizer(["a cat"]))
     out = model.transformer(x, torch.tensor([500.0]), text)
     assert out.shape == x.shape and torch.isfinite(out).all()
