@@ -11,6 +11,12 @@ it gets the same weights:
   frames), each latent frame unfolding into ``temporal_compression`` frames, the first into one
   frame (a causal layout like Wan's VAE: 9 frames <-> 3 latent frames).
 
+The latent space is fixed, not learned: :func:`encode_video` averages each 8 x 8 block of every
+frame, and a latent pixel holds the mean colours of its ``temporal_compression`` frames
+(3 x 4 = 12 channels), scaled to about unit variance. The denoiser therefore works on a small
+video of colours (what it draws and where it moves are plain in the latents) and the decoder,
+trained by ``scripts/train_tiny.py``, learns to draw the sharp picture back.
+
 Shapes: B batch, F latent frames, H/W latent height/width, C latent channels, L video tokens,
 T text tokens, D width, E text width.
 """
@@ -35,7 +41,8 @@ TRAINED_WEIGHTS = Path(__file__).with_name("kiln_tiny.safetensors")
 
 @dataclass(kw_only=True, slots=True)
 class TinyConfig:
-    latent_channels: int = 8
+    latent_channels: int = 12  # 3 colours x temporal_compression frames (see encode_video)
+    latent_scale: float = 1.5  # pooled colours in [-1, 1] times this: about unit variance
     patch_size: int = 2
     spatial_compression: int = 8  # pixels per latent pixel
     temporal_compression: int = 4  # frames per latent frame (after the first)
@@ -59,6 +66,9 @@ class TinyConfig:
             raise ValueError(f"dim must be even (sinusoidal positions), got {self.dim}")
         if 2 ** round(math.log2(self.spatial_compression)) != self.spatial_compression:
             raise ValueError("spatial_compression must be a power of two")
+        if self.latent_channels != 3 * self.temporal_compression:
+            raise ValueError(f"latent_channels must be 3 x temporal_compression "
+                             f"({3 * self.temporal_compression}), got {self.latent_channels}")
 
     def num_latent_frames(self, num_frames: int) -> int:
         return (num_frames - 1) // self.temporal_compression + 1
@@ -261,6 +271,21 @@ class TinyDecoder(nn.Module):
         x = x.reshape(n, tc, 3, h * s, w * s)  # a copy: depth-to-space
         del patches  # in place from here: two frame-sized buffers at most, not four
         return x.tanh_()
+
+
+def encode_video(cfg: TinyConfig, video_BNHW3: torch.Tensor) -> torch.Tensor:
+    """RGB frames [B, N, H, W, 3] in [-1, 1] (N = 1 + 4k) -> latents [B, C, F, H/s, W/s]: the
+    mean colour of every s x s block of every frame, the first frame standing alone (repeated
+    ``temporal_compression`` times, the causal layout the decoder undoes)."""
+    s, tc = cfg.spatial_compression, cfg.temporal_compression
+    b, n, h, w, _ = video_BNHW3.shape
+    first = video_BNHW3[:, :1].expand(-1, tc, -1, -1, -1)
+    v = torch.cat([first, video_BNHW3[:, 1:]], dim=1)
+    f = v.shape[1] // tc
+    pooled = v.reshape(b, f, tc, h // s, s, w // s, s, 3).mean(dim=(4, 6))  # [B, F, tc, h, w, 3]
+    # Channel tc * 3 + rgb, the order in which the decoder lays out its frames.
+    latents = pooled.permute(0, 2, 5, 1, 3, 4).reshape(b, tc * 3, f, h // s, w // s)
+    return latents * cfg.latent_scale
 
 
 class KilnTiny(nn.Module):
