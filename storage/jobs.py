@@ -33,7 +33,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, and_, bindparam, case, func, insert, or_, select, update
+from sqlalchemy import (
+    Integer,
+    and_,
+    bindparam,
+    case,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, make_transient_to_detached
@@ -481,31 +492,66 @@ def claim_job(
     now = now or utcnow()
     token = secrets.token_hex(16)
     lease = now + timedelta(seconds=lease_seconds)
-    job = _update_one(
-        session,
-        job_id,
-        Job.state == JobState.QUEUED,
-        Job.cancel_requested.is_(False),
-        Job.attempts < Job.max_attempts,
-        or_(Job.not_before.is_(None), Job.not_before <= now),
-        or_(Job.deadline.is_(None), Job.deadline > now),
-        state=JobState.RUNNING.value,
-        attempts=Job.attempts + 1,
-        attempt_token=token,
-        lease_expires_at=lease,
-        worker_group_id=worker_group_id,
-        rank=rank,
-        progress_step=0,
-        progress_total=Job.num_inference_steps,
-        started_at=now,
-    )
-    if job is None:
+    params = {"claim_id": job_id, "claim_now": now, "claim_token": token, "claim_lease": lease,
+              "claim_group": worker_group_id, "claim_rank": rank,
+              "claim_detail": {"worker_group_id": worker_group_id, "rank": rank}}
+    both, claim, add_event = _claim_statements()
+    if session.get_bind().dialect.name == "postgresql":
+        row = session.execute(both, params).mappings().one_or_none()
+    else:  # SQLite has no INSERT inside WITH
+        row = session.execute(claim, params).mappings().one_or_none()
+        if row is not None:
+            session.execute(add_event, {**params, "claim_attempt": row["attempts"]})
+    if row is None:
         session.rollback()
         return None
-    _event(session, job_id, "claimed", now, job.attempts, worker_group_id=worker_group_id,
-           rank=rank)
     session.commit()
-    return Claim(job=job, attempt_token=token, lease_expires_at=lease)
+    return Claim(job=_as_loaded(session, row), attempt_token=token, lease_expires_at=lease)
+
+
+@functools.cache
+def _claim_statements() -> tuple[Any, Any, Any]:
+    """(claim and its event in one statement for PostgreSQL, the claim alone, the event alone).
+
+    Every worker group claims through this, at every step boundary where a rank frees up: one
+    prebuilt statement with bound parameters (and on PostgreSQL one round trip for the UPDATE
+    and its event) instead of building an ORM UPDATE and INSERT per call.
+    """
+    jobs_table, events_table = Job.__table__, JobEvent.__table__
+    now = bindparam("claim_now", type_=jobs_table.c.started_at.type)
+    claim = (
+        update(jobs_table)
+        .where(jobs_table.c.id == bindparam("claim_id"),
+               jobs_table.c.state == JobState.QUEUED.value,
+               jobs_table.c.cancel_requested.is_(False),
+               jobs_table.c.attempts < jobs_table.c.max_attempts,
+               or_(jobs_table.c.not_before.is_(None), jobs_table.c.not_before <= now),
+               or_(jobs_table.c.deadline.is_(None), jobs_table.c.deadline > now))
+        .values(state=JobState.RUNNING.value, attempts=jobs_table.c.attempts + 1,
+                attempt_token=bindparam("claim_token"),
+                lease_expires_at=bindparam("claim_lease", type_=jobs_table.c.started_at.type),
+                worker_group_id=bindparam("claim_group"), rank=bindparam("claim_rank"),
+                progress_step=0, progress_total=jobs_table.c.num_inference_steps, started_at=now)
+        .returning(*jobs_table.c)
+    )
+    event = {"at": now, "kind": literal("claimed", type_=events_table.c.kind.type),
+             "detail": bindparam("claim_detail", type_=events_table.c.detail.type)}
+    claimed = claim.cte("claimed")
+    add_claimed_event = insert(events_table).from_select(
+        ["job_id", "attempt", *event], select(claimed.c.id, claimed.c.attempts, *event.values()))
+    both = select(*claimed.c).add_cte(add_claimed_event.cte("claimed_event"))
+    add_event = insert(events_table).values(
+        job_id=bindparam("claim_id"), attempt=bindparam("claim_attempt"), **event)
+    return both, claim, add_event
+
+
+def _as_loaded(session: Session, row: Any) -> Job:
+    """The session's ``Job`` for a row a Core statement returned, as if the ORM had loaded it."""
+    job = Job()
+    for attr in sa_inspect(Job).column_attrs:
+        set_committed_value(job, attr.key, row[attr.columns[0].key])
+    make_transient_to_detached(job)
+    return session.merge(job, load=False)
 
 
 @dataclass(frozen=True, slots=True)

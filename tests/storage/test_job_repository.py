@@ -96,6 +96,12 @@ def test_claim_is_exclusive_and_sets_lease_token_and_attempt(session: Session) -
     assert claim.job.state == "running" and claim.job.attempts == 1 and claim.job.rank == 1
     assert claim.lease_expires_at == T0 + timedelta(seconds=30)
     assert jobs.claim_job(session, job.id, worker_group_id="g2", lease_seconds=30) is None
+    # The claim is written with its event, and the session sees the claimed row.
+    events = jobs.job_events(session, job.id)
+    assert [(e.kind, e.attempt) for e in events] == [("created", 0), ("claimed", 1)]
+    assert events[1].detail == {"worker_group_id": "g1", "rank": 1} and events[1].at == T0
+    assert session.get(type(job), job.id) is claim.job and claim.job.started_at == T0
+    assert claim.job.progress_total == claim.job.num_inference_steps
 
 
 def test_claim_respects_not_before_deadline_and_cancel(session: Session) -> None:
