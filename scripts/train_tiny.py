@@ -64,11 +64,13 @@ def cpu_seconds() -> float:
 
 
 def save(model: KilnTiny, ema: dict[str, torch.Tensor], path: Path,
-         meta: dict[str, str]) -> None:
+         meta: dict[str, object]) -> None:
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     state.update({k: v.clone().contiguous() for k, v in ema.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path), metadata=meta)
+    # One metadata entry, its keys sorted: safetensors writes a metadata map in no fixed order,
+    # so several entries would make equal weights give files that differ.
+    save_file(state, str(path), metadata={"kiln_tiny": json.dumps(meta, sort_keys=True)})
 
 
 def main() -> None:
@@ -101,7 +103,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     settings = {k: str(v) for k, v in vars(args).items()
                 if k not in ("out", "snapshot_every", "log_every")}
-    meta = {"config": json.dumps(asdict(cfg)), **settings}
+    meta: dict[str, object] = {"config": asdict(cfg), **settings}
     empty_ids, empty_mask = model.tokenizer([""])
     tc = cfg.temporal_compression
 
