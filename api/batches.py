@@ -28,7 +28,7 @@ from api.schemas import (
     metadata_bytes,
 )
 from kiln.settings import Settings
-from storage import batches, jobs
+from storage import batches
 from storage.jobs import JobSpec
 from storage.models import Batch, Job, JobClass, JobState, User
 
@@ -258,7 +258,7 @@ def submit(session: Session, redis: Redis, s: Settings, user: User, sub: Submiss
     specs = specs_from_submission(sub, s, now)
     digest = service.request_hash("batch", sub.body.model_dump(mode="json"))
     window = sub.body.window
-    try:
+    with service.creation_errors_as_http(s):
         created = batches.create_batch(
             session, user, specs, name=sub.body.name, metadata=dict(sub.body.metadata),
             not_before=window.not_before if window else None,
@@ -266,12 +266,6 @@ def submit(session: Session, redis: Redis, s: Settings, user: User, sub: Submiss
             idempotency_key=idempotency_key, max_attempts=s.max_attempts,
             max_queued=s.max_queued_jobs_per_user, now=now,
         )
-    except jobs.IdempotencyConflict as exc:
-        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
-    except jobs.QueueFull as exc:
-        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc),
-                            headers={"Retry-After": str(s.queue_full_retry_after_seconds)}
-                            ) from exc
     service.dispatch(redis, s, created.jobs)
     if not created.created:
         response.status_code = status.HTTP_200_OK

@@ -3,15 +3,18 @@ after the commit), and rendering rows as native jobs or OpenAI videos."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
 from fastapi import HTTPException, status
 from fastapi.exceptions import RequestValidationError
 from redis import Redis, RedisError
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.schemas import (
@@ -165,17 +168,11 @@ def submit(
     request_hash: str, idempotency_key: str | None,
 ) -> Created:
     """Stores the job, commits, and only then adds it to the Redis ready index."""
-    try:
+    with creation_errors_as_http(s):
         created = jobs.create_job(
             session, user, spec, request_hash=request_hash, idempotency_key=idempotency_key,
             max_attempts=s.max_attempts, max_queued=s.max_queued_jobs_per_user,
         )
-    except jobs.IdempotencyConflict as exc:
-        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
-    except jobs.QueueFull as exc:
-        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc),
-                            headers={"Retry-After": str(s.queue_full_retry_after_seconds)}
-                            ) from exc
     if created.created:
         dispatch(redis, s, [created.job])
     return created
@@ -191,6 +188,31 @@ def dispatch(redis: Redis, s: Settings, new_jobs: list[Job]) -> None:
         # The rows are committed, so the jobs are safe; the periodic rebuild indexes them.
         log.warning("Redis unavailable; %d job(s) (%s, ...) wait for the next index rebuild",
                     len(new_jobs), new_jobs[0].id, exc_info=True)
+
+
+def owner_filter(session: Session, user: User, owner: str | None, what: str) -> int | None:
+    """The owner id a list's ``owner`` query asks for: None for no filter, -1 for an unknown
+    name (an empty page); only admins may name another user."""
+    if owner is None:
+        return None
+    if not user.is_admin and owner != user.name:
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"owner: only admins may list other users' {what}")
+    found = session.scalar(select(User.id).where(User.name == owner))
+    return found if found is not None else -1
+
+
+@contextlib.contextmanager
+def creation_errors_as_http(s: Settings) -> Iterator[None]:
+    """What creating jobs can refuse, as the HTTP answers the API gives for it."""
+    try:
+        yield
+    except jobs.IdempotencyConflict as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
+    except jobs.QueueFull as exc:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc),
+                            headers={"Retry-After": str(s.queue_full_retry_after_seconds)}
+                            ) from exc
 
 
 def unindex(redis: Redis, s: Settings, job: Job) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response, status
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -61,13 +60,7 @@ def list_batches(
     owner: Annotated[str | None, Query(max_length=64, pattern=SafeQuery,
                                        description="a user name (admins only)")] = None,
 ) -> BatchList:
-    owner_id = None
-    if owner is not None:
-        if not user.is_admin and owner != user.name:
-            raise HTTPException(status.HTTP_403_FORBIDDEN,
-                                "owner: only admins may list other users' batches")
-        found = session.scalar(select(User.id).where(User.name == owner))
-        owner_id = found if found is not None else -1  # unknown user: an empty page
+    owner_id = service.owner_filter(session, user, owner, "batches")
     try:
         page, next_cursor = batches.list_batches(session, user, owner_id=owner_id, limit=limit,
                                                  cursor=cursor)

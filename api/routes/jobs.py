@@ -7,7 +7,6 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Path, Query, Response, status
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 from redis import Redis, RedisError
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api import service
@@ -89,13 +88,7 @@ def list_jobs(
     owner: Annotated[str | None, Query(max_length=64, pattern=SafeQuery,
                                        description="a user name (admins only)")] = None,
 ) -> JobList:
-    owner_id = None
-    if owner is not None:
-        if not user.is_admin and owner != user.name:
-            raise HTTPException(status.HTTP_403_FORBIDDEN,
-                                "owner: only admins may list other users' jobs")
-        found = session.scalar(select(User.id).where(User.name == owner))
-        owner_id = found if found is not None else -1  # unknown user: an empty page
+    owner_id = service.owner_filter(session, user, owner, "jobs")
     try:
         page, next_cursor = jobs.list_jobs(
             session, user, states=[s.value for s in status_ or []], model=model,
