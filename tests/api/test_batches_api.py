@@ -236,6 +236,11 @@ def test_progress_and_eta_follow_finished_jobs(api) -> None:
         claim = job_repo.claim_job(s, rows[1].id, worker_group_id="g", rank=1, lease_seconds=60)
         assert claim is not None
         job_repo.heartbeat(s, rows[1].id, claim.attempt_token, step=2, lease_seconds=60)
+        # Started a minute ago, so the pace (and the ETA, rounded to 0.1 s) is not ~0 on a
+        # fast machine.
+        s.execute(update(Job).where(Job.id == rows[1].id)
+                  .values(started_at=claim.job.started_at - timedelta(minutes=1)))
+        s.commit()
     running = api.client.get(f"/v1/batches/{batch_id}", headers=api.auth("alice")).json()
     assert running["status"] == "running" and running["eta"] is None
     assert running["progress"]["step_fraction"] == round(0.5 / 4, 4)
