@@ -166,16 +166,21 @@ def request_hash(kind: str, body: dict[str, Any]) -> str:
 def submit(
     session: Session, redis: Redis, s: Settings, user: User, spec: JobSpec, *,
     request_hash: str, idempotency_key: str | None,
-) -> Created:
-    """Stores the job, commits, and only then adds it to the Redis ready index."""
+) -> tuple[Created, int | None]:
+    """Stores the job, commits, and only then adds it to the Redis ready index. Returns the
+    job and, for a new one, its queue position (None when Redis could not say)."""
     with creation_errors_as_http(s):
         created = jobs.create_job(
             session, user, spec, request_hash=request_hash, idempotency_key=idempotency_key,
             max_attempts=s.max_attempts, max_queued=s.max_queued_jobs_per_user,
         )
-    if created.created:
-        dispatch(redis, s, [created.job])
-    return created
+    if not created.created:
+        return created, None
+    try:
+        return created, ready.add_one(redis, s.redis_prefix, created.job)
+    except RedisError:
+        _not_indexed([created.job])
+        return created, None
 
 
 def dispatch(redis: Redis, s: Settings, new_jobs: list[Job]) -> None:
@@ -185,9 +190,13 @@ def dispatch(redis: Redis, s: Settings, new_jobs: list[Job]) -> None:
     try:
         ready.add(redis, s.redis_prefix, new_jobs)
     except RedisError:
-        # The rows are committed, so the jobs are safe; the periodic rebuild indexes them.
-        log.warning("Redis unavailable; %d job(s) (%s, ...) wait for the next index rebuild",
-                    len(new_jobs), new_jobs[0].id, exc_info=True)
+        _not_indexed(new_jobs)
+
+
+def _not_indexed(new_jobs: list[Job]) -> None:
+    # The rows are committed, so the jobs are safe; the periodic rebuild indexes them.
+    log.warning("Redis unavailable; %d job(s) (%s, ...) wait for the next index rebuild",
+                len(new_jobs), new_jobs[0].id, exc_info=True)
 
 
 def owner_filter(session: Session, user: User, owner: str | None, what: str) -> int | None:

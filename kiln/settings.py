@@ -84,8 +84,9 @@ class Settings(BaseSettings):
     # POST /v1/batches carries a whole prompt list (JSON or JSONL), so it gets its own limit.
     max_batch_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     max_schedule_days: int = Field(default=30, ge=1)  # how far ahead not_before/deadline may be
-    # Queued jobs a user may hold at once; beyond it submits get 429 with Retry-After.
-    max_queued_jobs_per_user: int = Field(default=1000, ge=1)
+    # Queued jobs a user may hold at once; beyond it submits get 429 with Retry-After. Room for
+    # an overnight batch of thousands of prompts; a batch larger than this is refused whole.
+    max_queued_jobs_per_user: int = Field(default=10_000, ge=1)
     queue_full_retry_after_seconds: int = Field(default=30, ge=1)
 
     # Worker leases: a running job whose lease is not renewed within this is given back to the

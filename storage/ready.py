@@ -20,9 +20,11 @@ still look on their own every poll interval.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from redis import Redis
 from redis.exceptions import NoScriptError
@@ -92,33 +94,65 @@ def remove(redis: Redis, prefix: str, job: Job) -> None:
     redis.zrem(ready_key(prefix, job.class_, job.priority), job.id)
 
 
-# KEYS: the ready keys served before the job's, then its own; ARGV[1]: the job id. One command
-# instead of a ZCARD per key ahead (up to 19) and a ZRANK: every submit response asks for it.
-_POSITION = """
-local ahead = 0
-for i = 1, #KEYS - 1 do
-  ahead = ahead + redis.call('ZCARD', KEYS[i])
+# Entries ahead of a job, for KEYS = the ready keys served before the job's, then its own, and
+# ARGV[1] = the job id: one command instead of a ZCARD per key ahead (up to 19) and a ZRANK.
+_COUNT_AHEAD = """
+local function ahead_of(first, id)
+  local ahead = 0
+  for i = first, #KEYS - 1 do
+    ahead = ahead + redis.call('ZCARD', KEYS[i])
+  end
+  local rank = redis.call('ZRANK', KEYS[#KEYS], id)
+  if not rank then
+    return -1
+  end
+  return ahead + rank
 end
-local rank = redis.call('ZRANK', KEYS[#KEYS], ARGV[1])
-if not rank then
-  return -1
-end
-return ahead + rank
 """
-_POSITION_SHA = hashlib.sha1(_POSITION.encode()).hexdigest()
+_POSITION = _COUNT_AHEAD + "return ahead_of(1, ARGV[1])"
+# `add` for one job and its position, in one round trip (what every submit does). KEYS[1], [2]:
+# the new and wake lists, then the keys as for the position; ARGV: id, score, NEW_CAP, WAKE_CAP.
+_ADD_ONE = _COUNT_AHEAD + """
+redis.call('ZADD', KEYS[#KEYS], ARGV[2], ARGV[1])
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[3]), -1)
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1)
+return ahead_of(3, ARGV[1])
+"""
+
+
+def _run_script(redis: Redis, script: str, keys: list[str], *args: object) -> Any:
+    """EVALSHA, falling back to EVAL the first time after Redis started or flushed scripts."""
+    try:
+        return redis.evalsha(_sha(script), len(keys), *keys, *args)
+    except NoScriptError:
+        return redis.eval(script, len(keys), *keys, *args)
+
+
+@functools.cache
+def _sha(script: str) -> str:
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
+def _keys_up_to(prefix: str, job: Job) -> list[str]:
+    """The ready keys served before ``job``'s, then its own."""
+    mine = ready_key(prefix, job.class_, job.priority)
+    keys = ready_keys(prefix)
+    return [*keys[: keys.index(mine)], mine]
 
 
 def position(redis: Redis, prefix: str, job: Job) -> int | None:
     """Entries ahead of ``job`` in serving order, from the index in O(log n); None if the job is
     not in the index (not queued, or the index is being rebuilt)."""
-    mine = ready_key(prefix, job.class_, job.priority)
-    keys = ready_keys(prefix)
-    keys = [*keys[: keys.index(mine)], mine]
-    try:
-        found = redis.evalsha(_POSITION_SHA, len(keys), *keys, job.id)
-    except NoScriptError:  # the first call after Redis started (or flushed its scripts)
-        found = redis.eval(_POSITION, len(keys), *keys, job.id)
-    return None if int(found) < 0 else int(found)
+    found = int(_run_script(redis, _POSITION, _keys_up_to(prefix, job), job.id))
+    return None if found < 0 else found
+
+
+def add_one(redis: Redis, prefix: str, job: Job) -> int:
+    """`add` for one job; returns its `position`."""
+    keys = [new_key(prefix), wake_key(prefix), *_keys_up_to(prefix, job)]
+    return int(_run_script(redis, _ADD_ONE, keys, job.id, score(job), NEW_CAP, WAKE_CAP))
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,9 +44,9 @@ def _owner_name(session: Session, viewer: User, job: Job) -> str | None:
 
 
 def detail(session: Session, redis: Redis, settings: Settings, viewer: User,
-           job: Job) -> JobPublic:
-    position = None
-    if job.state == JobState.QUEUED:
+           job: Job, position: int | None = None) -> JobPublic:
+    """The job as its viewer sees it; ``position``: its queue position, when already known."""
+    if job.state == JobState.QUEUED and position is None:
         # The index answers in O(log n); counting rows in the database is the fallback.
         try:
             position = ready.position(redis, settings.redis_prefix, job)
@@ -67,12 +67,12 @@ def create_job(body: JobCreate, user: CurrentUser, session: SessionDep, redis: R
                idempotency_key: IdempotencyKey = None) -> JobPublic:
     spec = service.spec_from_job_create(body, settings, service.now())
     digest = service.request_hash("job", body.model_dump(mode="json", by_alias=True))
-    created = service.submit(session, redis, settings, user, spec, request_hash=digest,
-                             idempotency_key=idempotency_key)
+    created, position = service.submit(session, redis, settings, user, spec,
+                                       request_hash=digest, idempotency_key=idempotency_key)
     if not created.created:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
-    return detail(session, redis, settings, user, created.job)
+    return detail(session, redis, settings, user, created.job, position)
 
 
 @router.get("", response_model=JobList)

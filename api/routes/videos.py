@@ -92,8 +92,8 @@ async def create_video(request: Request, user: CurrentUser, session: SessionDep,
     digest = service.request_hash("video", body.model_dump(mode="json"))
 
     def store() -> VideoPublic:
-        created = service.submit(session, redis, settings, user, spec, request_hash=digest,
-                                 idempotency_key=idempotency_key)
+        created, _ = service.submit(session, redis, settings, user, spec,
+                                    request_hash=digest, idempotency_key=idempotency_key)
         if not created.created:
             response.headers["Idempotent-Replayed"] = "true"
         return service.video_public(created.job)
