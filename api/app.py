@@ -21,6 +21,7 @@ from api.deps import KeyCache
 from api.errors import BodySizeLimit, install_error_handlers
 from api.metrics import make_registry
 from api.routes import batches, dashboard, jobs, system, videos
+from api.service import QueueRoom
 from kiln.settings import Settings, get_settings
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, make_store
@@ -85,6 +86,7 @@ def create_app(
     app.state.registry = make_registry(session_factory, settings)
     app.state.reconcile = reconcile
     app.state.key_cache = KeyCache(settings.api_key_cache_seconds)
+    app.state.queue_room = QueueRoom()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        per_path={"/v1/batches": settings.max_batch_body_bytes})

@@ -12,6 +12,7 @@ from redis import Redis
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from api.service import QueueRoom
 from kiln.settings import Settings
 from storage.models import User
 from storage.outputs import OutputStore
@@ -56,10 +57,15 @@ async def get_store(request: Request) -> OutputStore:
     return request.app.state.store
 
 
+async def get_queue_room(request: Request) -> QueueRoom:
+    return request.app.state.queue_room
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_db)]
 RedisDep = Annotated[Redis, Depends(get_redis)]
 StoreDep = Annotated[OutputStore, Depends(get_store)]
+QueueRoomDep = Annotated[QueueRoom, Depends(get_queue_room)]
 
 
 def _unauthorized(reason: str) -> HTTPException:

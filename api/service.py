@@ -7,6 +7,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -163,17 +165,55 @@ def request_hash(kind: str, body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+class QueueRoom:
+    """Decides which submits count the user's queued jobs against the per-user limit.
+
+    The count is a database scan of the user's queued jobs (up to the limit) on the API's
+    hottest path. The limit guards against runaway clients and need not be exact, so after a
+    count this process lets the user's next submits skip it while they cannot matter: for
+    ``recount_seconds``, and for at most a quarter of the room that count left, so that a few
+    API processes skipping at once still stay under the limit. Near the limit every submit
+    counts.
+    """
+
+    def __init__(self, recount_seconds: float = 1.0, max_users: int = 100_000) -> None:
+        self.recount_seconds = recount_seconds
+        self.max_users = max_users
+        self._skips: dict[int, tuple[float, float]] = {}  # user id -> (counted at, skips left)
+        self._lock = threading.Lock()
+
+    def must_count(self, user_id: int) -> bool:
+        with self._lock:
+            entry = self._skips.get(user_id)
+            if (entry is None or entry[1] < 1
+                    or time.monotonic() - entry[0] > self.recount_seconds):
+                return True
+            self._skips[user_id] = (entry[0], entry[1] - 1)
+            return False
+
+    def counted(self, user_id: int, queued_before: int, limit: int) -> None:
+        with self._lock:
+            if len(self._skips) >= self.max_users:
+                self._skips.clear()  # bounded; the next submits count again
+            room = limit - queued_before - 1  # after the job just added
+            self._skips[user_id] = (time.monotonic(), room / 4)
+
+
 def submit(
     session: Session, redis: Redis, s: Settings, user: User, spec: JobSpec, *,
-    request_hash: str, idempotency_key: str | None,
+    request_hash: str, idempotency_key: str | None, room: QueueRoom | None = None,
 ) -> tuple[Created, int | None]:
     """Stores the job, commits, and only then adds it to the Redis ready index. Returns the
-    job and, for a new one, its queue position (None when Redis could not say)."""
+    job and, for a new one, its queue position (None when Redis could not say). ``room``: when
+    to count the user's queued jobs (None: every time)."""
+    count = room is None or room.must_count(user.id)
     with creation_errors_as_http(s):
         created = jobs.create_job(
             session, user, spec, request_hash=request_hash, idempotency_key=idempotency_key,
-            max_attempts=s.max_attempts, max_queued=s.max_queued_jobs_per_user,
+            max_attempts=s.max_attempts, max_queued=s.max_queued_jobs_per_user if count else None,
         )
+    if room is not None and created.queued_before is not None:
+        room.counted(user.id, created.queued_before, s.max_queued_jobs_per_user)
     if not created.created:
         return created, None
     try:

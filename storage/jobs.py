@@ -34,6 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
+    Connection,
     Integer,
     and_,
     bindparam,
@@ -94,7 +95,13 @@ class JobBusy(ValueError):
 
 def new_job_id() -> str:
     """20 lowercase letters and digits (~103 random bits): safe in URLs, paths and shells."""
-    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(JOB_ID_LENGTH))
+    # One draw from the OS (not one per character), written in base 36.
+    n = secrets.randbelow(len(_ID_ALPHABET) ** JOB_ID_LENGTH)
+    chars = []
+    for _ in range(JOB_ID_LENGTH):
+        n, digit = divmod(n, len(_ID_ALPHABET))
+        chars.append(_ID_ALPHABET[digit])
+    return "".join(chars)
 
 
 def is_job_id(value: str) -> bool:
@@ -129,6 +136,9 @@ class JobSpec:
 class Created:
     job: Job
     created: bool  # False: an idempotent replay returned the job made earlier
+    # The owner's queued jobs before this one, when ``max_queued`` made create_job count them
+    # (counted up to the limit).
+    queued_before: int | None = None
 
 
 def create_job(
@@ -155,7 +165,7 @@ def create_job(
     job = new_job_row(owner.id, spec, request_hash=request_hash,
                       idempotency_key=idempotency_key, max_attempts=max_attempts, now=now)
     try:
-        _insert_created(session, job, now, max_queued)
+        queued = _insert_created(session, job, now, max_queued)
     except IntegrityError:
         # A concurrent request with the same idempotency key won the unique constraint.
         session.rollback()
@@ -165,12 +175,14 @@ def create_job(
         if existing is None:
             raise
         return _replay(existing, request_hash)
-    return Created(job=job, created=True)
+    return Created(job=job, created=True, queued_before=queued)
 
 
-def _insert_created(session: Session, job: Job, now: datetime, max_queued: int | None) -> None:
-    """Checks the owner's queue room, inserts ``job`` (transient) and its ``created`` event,
-    commits, then attaches the row to ``session`` as if it had been loaded.
+def _insert_created(session: Session, job: Job, now: datetime,
+                    max_queued: int | None) -> int | None:
+    """Checks the owner's queue room (unless ``max_queued`` is None), inserts ``job``
+    (transient) and its ``created`` event, commits, then attaches the row to ``session`` as if
+    it had been loaded. Returns the owner's queued jobs counted before it, if it counted.
 
     A submit is the API's hottest path, so it is prebuilt statements with bound parameters
     rather than the unit of work (whose flush of two new objects costs more CPU than the
@@ -186,27 +198,33 @@ def _insert_created(session: Session, job: Job, now: datetime, max_queued: int |
             set_committed_value(job, attr.key, None)  # as loaded: no lazy load on first read
         params[f"new_{attr.columns[0].key}"] = getattr(job, attr.key)
     params.update(event_at=now, event_kind="created", event_attempt=0, event_detail={})
+    queued = None
     if session.get_bind().dialect.name == "postgresql":
-        if session.in_transaction():
-            session.commit()  # end the idempotency lookup's read, so the insert can autocommit
-        params["max_queued"] = max_queued if max_queued is not None else _NO_LIMIT
-        conn = session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
-        queued, added = conn.execute(_submit_statement(), params).one()
+        params["max_queued"] = max_queued
+        stmt = _submit_statement(check_room=max_queued is not None)
+        queued, added = _autocommit(session).execute(stmt, params).one()
         session.commit()  # no round trip: autocommit left no transaction open
         if not added:
-            raise QueueFull(params["max_queued"], queued=queued)
+            raise QueueFull(max_queued or 0, queued=queued)
     else:
         if max_queued is not None:
-            check_queue_room(session, job.owner_id, max_queued)
+            queued = check_queue_room(session, job.owner_id, max_queued)
         for stmt in _created_statements():
             session.execute(stmt, params)
         session.commit()
     make_transient_to_detached(job)
     session.add(job)
+    return queued if max_queued is not None else None
 
 
-# The room check's bound when there is no limit (a LIMIT needs a number).
-_NO_LIMIT = 2**31 - 1
+def _autocommit(session: Session) -> Connection:
+    """The session's connection in autocommit mode, for ONE statement that is atomic on its own
+    (PostgreSQL runs each statement in a transaction of its own): no ``BEGIN`` and ``COMMIT``
+    round trips around it. A read transaction the session has open is committed first. Call
+    ``session.commit()`` after the statement to give the connection back."""
+    if session.in_transaction():
+        session.commit()
+    return session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
 
 
 def _event_values() -> dict[str, Any]:
@@ -218,10 +236,11 @@ def _event_values() -> dict[str, Any]:
 
 
 @functools.cache
-def _submit_statement() -> Any:
-    """PostgreSQL: ``(queued, added)`` -- the owner's queued jobs counted up to ``max_queued``,
-    and 1 if the job and its event were inserted (only when that count is under the limit),
-    else 0. Built once, so each submit only binds its values."""
+def _submit_statement(*, check_room: bool) -> Any:
+    """PostgreSQL: ``(queued, added)`` -- the owner's queued jobs counted up to ``max_queued``
+    (0 without ``check_room``), and 1 if the job and its event were inserted (with
+    ``check_room``, only when that count is under the limit), else 0. Built once, so each submit
+    only binds its values."""
     jobs_table, events_table = Job.__table__, JobEvent.__table__
     # Parameter names must differ from the column names, which insert() reserves.
     room = select(func.count().label("queued")).select_from(
@@ -234,16 +253,20 @@ def _submit_statement() -> Any:
     # Typed parameters: the dialect casts each (``%(new_width)s::INTEGER``), so an INSERT ...
     # SELECT of parameters does not leave their types to inference.
     values = [bindparam(f"new_{c.key}", type_=c.type) for c in jobs_table.c]
-    has_room = select(room.c.queued).scalar_subquery() < bindparam("max_queued", type_=Integer)
-    added_job = (insert(jobs_table)
-                 .from_select(list(jobs_table.c), select(*values).where(has_room))
+    new_row = select(*values)
+    if check_room:
+        new_row = new_row.where(select(room.c.queued).scalar_subquery()
+                                < bindparam("max_queued", type_=Integer))
+    added_job = (insert(jobs_table).from_select(list(jobs_table.c), new_row)
                  .returning(jobs_table.c.id).cte("added_job"))
     event = _event_values()
     added_event = (insert(events_table)
                    .from_select(["job_id", *event], select(added_job.c.id, *event.values()))
                    .returning(events_table.c.job_id).cte("added_event"))
-    return select(room.c.queued,
-                  select(func.count()).select_from(added_event).scalar_subquery())
+    num_added = select(func.count()).select_from(added_event).scalar_subquery()
+    if check_room:
+        return select(room.c.queued, num_added)
+    return select(literal(0, Integer), num_added)
 
 
 @functools.cache
@@ -256,8 +279,9 @@ def _created_statements() -> tuple[Any, Any]:
     return add_job, add_event
 
 
-def check_queue_room(session: Session, owner_id: int, max_queued: int, adding: int = 1) -> None:
-    """Raises `QueueFull` unless the owner may queue ``adding`` more jobs.
+def check_queue_room(session: Session, owner_id: int, max_queued: int, adding: int = 1) -> int:
+    """Raises `QueueFull` unless the owner may queue ``adding`` more jobs; returns the owner's
+    queued jobs (counted up to ``max_queued``).
 
     Two concurrent submits may both pass this count; the limit is a guard against runaway
     clients, not an exact quota, so a few extra jobs are acceptable.
@@ -266,6 +290,7 @@ def check_queue_room(session: Session, owner_id: int, max_queued: int, adding: i
     num_queued = int(session.scalar(_count_queued_statement(), params) or 0)
     if num_queued + adding > max_queued:
         raise QueueFull(max_queued, queued=num_queued, adding=adding)
+    return num_queued
 
 
 @functools.cache
@@ -541,15 +566,17 @@ def claim_job(
               "claim_detail": {"worker_group_id": worker_group_id, "rank": rank}}
     both, claim, add_event = _claim_statements()
     if session.get_bind().dialect.name == "postgresql":
-        row = session.execute(both, params).mappings().one_or_none()
+        row = _autocommit(session).execute(both, params).mappings().one_or_none()
+        session.commit()  # no round trip: autocommit left no transaction open
     else:  # SQLite has no INSERT inside WITH
         row = session.execute(claim, params).mappings().one_or_none()
-        if row is not None:
-            session.execute(add_event, {**params, "claim_attempt": row["attempts"]})
+        if row is None:
+            session.rollback()
+            return None
+        session.execute(add_event, {**params, "claim_attempt": row["attempts"]})
+        session.commit()
     if row is None:
-        session.rollback()
         return None
-    session.commit()
     return Claim(job=_as_loaded(session, row), attempt_token=token, lease_expires_at=lease)
 
 

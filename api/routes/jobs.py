@@ -10,7 +10,7 @@ from redis import Redis, RedisError
 from sqlalchemy.orm import Session
 
 from api import service
-from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep, StoreDep
+from api.deps import CurrentUser, QueueRoomDep, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.schemas import JobCreate, JobList, JobPublic, SafeQuery
 from kiln.settings import Settings
 from storage import jobs, ready
@@ -63,12 +63,13 @@ def detail(session: Session, redis: Redis, settings: Settings, viewer: User,
                         409: {"description": "Idempotency-Key reused with another body"},
                         429: {"description": "Too many queued jobs; see Retry-After"}})
 def create_job(body: JobCreate, user: CurrentUser, session: SessionDep, redis: RedisDep,
-               settings: SettingsDep, response: Response,
+               settings: SettingsDep, room: QueueRoomDep, response: Response,
                idempotency_key: IdempotencyKey = None) -> JobPublic:
     spec = service.spec_from_job_create(body, settings, service.now())
     digest = service.request_hash("job", body.model_dump(mode="json", by_alias=True))
     created, position = service.submit(session, redis, settings, user, spec,
-                                       request_hash=digest, idempotency_key=idempotency_key)
+                                       request_hash=digest, idempotency_key=idempotency_key,
+                                       room=room)
     if not created.created:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"

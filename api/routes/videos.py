@@ -93,7 +93,8 @@ async def create_video(request: Request, user: CurrentUser, session: SessionDep,
 
     def store() -> VideoPublic:
         created, _ = service.submit(session, redis, settings, user, spec,
-                                    request_hash=digest, idempotency_key=idempotency_key)
+                                    request_hash=digest, idempotency_key=idempotency_key,
+                                    room=request.app.state.queue_room)
         if not created.created:
             response.headers["Idempotent-Replayed"] = "true"
         return service.video_public(created.job)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 
+from fastapi.testclient import TestClient
 from sqlalchemy import text
 
+from api.app import create_app
+from api.service import QueueRoom
 from migrations import current_heads
 from storage import jobs as job_repo
 from storage import ready
@@ -152,6 +156,37 @@ def test_queued_job_limit_answers_429_with_retry_after(api) -> None:
     assert r.headers["Retry-After"] == str(api.settings.queue_full_retry_after_seconds)
     assert "queued jobs" in r.json()["detail"]
     assert _submit(api, "bob").status_code == 201  # the limit is per user
+
+
+def test_a_big_limit_is_counted_now_and_then_and_still_holds(api) -> None:
+    # With room to spare a process skips most counts; near the limit every submit counts.
+    limit = 40
+    settings = api.settings.model_copy(update={"max_queued_jobs_per_user": limit})
+    app = create_app(settings, engine=api.db.engine, redis=api.redis, store=api.store)
+    counted: list[int] = []
+    room = app.state.queue_room
+    real = room.counted
+    room.counted = lambda user_id, queued, lim: (counted.append(queued), real(user_id, queued, lim))
+    with TestClient(app) as client:
+        def submit() -> int:
+            return client.post("/v1/jobs", json={"prompt": "p"},
+                               headers=api.auth("alice")).status_code
+
+        assert [submit() for _ in range(limit + 1)] == [201] * limit + [429]
+    assert counted[0] == 0 and len(counted) < limit  # some submits skipped the count
+    assert counted[-3:] == [37, 38, 39]  # and the last ones before the limit did not
+
+
+def test_queue_room_counts_again_after_a_while() -> None:
+    room = QueueRoom(recount_seconds=0.05)
+    assert room.must_count(1)
+    room.counted(1, queued_before=0, limit=1000)  # room for ~250 skips
+    assert not room.must_count(1) and not room.must_count(1)
+    assert room.must_count(2)  # another user
+    time.sleep(0.06)
+    assert room.must_count(1)
+    room.counted(1, queued_before=996, limit=1000)  # 3 left: none skipped
+    assert room.must_count(1)
 
 
 def test_ready_index_is_rebuilt_from_the_database_after_redis_loses_it(api) -> None:
