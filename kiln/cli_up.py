@@ -7,6 +7,7 @@ key. Ctrl-C stops everything: the worker group first finishes (or requeues) its 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -109,6 +110,9 @@ def up(
     from storage.users import create_api_key
 
     env = dict(os.environ)
+    # Jobs name the model they need and a group claims only its own model's jobs, so the API
+    # must default to (and accept) the model this group renders.
+    env.setdefault("KILN_MODELS", json.dumps([model]))
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     # A service manager's stop is the same as Ctrl-C; and Ctrl-C must work even when a shell
     # started us in the background with SIGINT ignored.
