@@ -28,6 +28,7 @@ from api.schemas import (
     VideoPublic,
     metadata_bytes,
 )
+from kiln import netguard
 from kiln.settings import Settings
 from scheduler import index as scheduler_index
 from storage import jobs, ready
@@ -94,6 +95,11 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
             p.add("deadline", f"at most {s.max_schedule_days} days ahead")
         elif spec.not_before is not None and spec.deadline <= spec.not_before:
             p.add("deadline", "must be after not_before")
+    # Literal addresses only; names are resolved and checked again when the webhook is sent.
+    if spec.webhook_url is not None and not netguard.private_allowed(s):
+        reason = netguard.literal_refusal(spec.webhook_url)
+        if reason is not None:
+            p.add("webhook_url", reason)
 
 
 def spec_from_job_create(body: JobCreate, s: Settings, now: datetime) -> JobSpec:

@@ -109,6 +109,11 @@ class Settings(BaseSettings):
     webhook_max_attempts: int = Field(default=8, ge=1)
     webhook_backoff_seconds: float = Field(default=10.0, gt=0)
     webhook_backoff_max_seconds: float = Field(default=600.0, gt=0)
+    # Whether a webhook_url may point at loopback, private (RFC 1918, ULA), link-local (cloud
+    # metadata), multicast or reserved addresses. Users choose the URL and the POST comes from
+    # inside the deployment, so allowing this lets them reach internal services. None: allowed
+    # only when environment is "local" (a receiver on the developer's machine); see kiln.netguard.
+    webhook_allow_private: bool | None = None
     # The sweeper re-sends deliveries whose task was lost, for jobs finished within this window.
     webhook_sweep_interval_seconds: float = Field(default=60.0, gt=0)
     webhook_sweep_hours: float = Field(default=24.0, gt=0)

@@ -32,7 +32,7 @@ from celery import Celery, Task
 from redis import Redis, RedisError
 from sqlalchemy.orm import Session, sessionmaker
 
-from kiln import signing
+from kiln import netguard, signing
 from kiln.settings import Settings, get_settings
 from scheduler import index as scheduler_index
 from storage import jobs, ready, retention, webhooks
@@ -224,12 +224,25 @@ def deliver(ctx: Context, job_id: str, *, now: datetime | None = None) -> Delive
             headers[signing.HEADER] = signing.sign(s.webhook_secret, body)
         status: int | None = None
         error: str | None = None
+        refused: str | None = None
         started = time.monotonic()
-        try:
-            with httpx.Client(timeout=s.webhook_timeout_seconds, follow_redirects=False) as http:
-                status = http.post(job.webhook_url, content=body, headers=headers).status_code
-        except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"[:500]
+        if not netguard.private_allowed(s):
+            # Resolve, then connect: httpx resolves the name again for the POST, so a DNS answer
+            # that changes in between (rebinding) can still reach a refused address. Closing
+            # that window would take connecting to the checked address itself.
+            try:
+                refused = netguard.resolved_refusal(job.webhook_url)
+            except (OSError, ValueError) as exc:  # no such host, or DNS is down: retried
+                error = f"could not resolve the webhook host: {exc}"[:500]
+        if refused is not None:
+            error = f"not sent: {refused}"[:500]
+        elif error is None:
+            try:
+                with httpx.Client(timeout=s.webhook_timeout_seconds,
+                                  follow_redirects=False) as http:
+                    status = http.post(job.webhook_url, content=body, headers=headers).status_code
+            except httpx.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}"[:500]
         # The wait before a retry counts from the end of this attempt.
         finished = now + timedelta(seconds=time.monotonic() - started)
         if status is not None and 200 <= status < 300:
@@ -238,8 +251,9 @@ def deliver(ctx: Context, job_id: str, *, now: datetime | None = None) -> Delive
             return Delivery(state="delivered", attempt=attempt.number, status=status)
         if status is not None:
             error = f"the receiver answered HTTP {status}"
-        # 410 Gone: the receiver says this endpoint will never take it; stop asking.
-        give_up = attempt.number >= s.webhook_max_attempts or status == 410
+        # 410 Gone: the receiver says this endpoint will never take it; stop asking. A refused
+        # destination stays refused.
+        give_up = attempt.number >= s.webhook_max_attempts or status == 410 or refused is not None
         retry_in = None if give_up else backoff_seconds(s, attempt.number)
         state = webhooks.record_result(
             session, job_id, attempt.number, delivered=False, status=status, error=error,

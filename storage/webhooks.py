@@ -24,7 +24,7 @@ from storage.models import TERMINAL_STATES, Job, WebhookDelivery, utcnow
 
 PENDING = "pending"
 DELIVERED = "delivered"
-FAILED = "failed"  # gave up: out of attempts, or the receiver answered 410 Gone
+FAILED = "failed"  # gave up: out of attempts, the receiver answered 410 Gone, or a refused address
 _FINAL = (DELIVERED, FAILED)
 _TERMINAL = [s.value for s in TERMINAL_STATES]
 

@@ -4,15 +4,17 @@ the sweeper that finds deliveries whose task was lost (the job row is the outbox
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from servers import Receiver
 from task_helpers import SECRET, fail, make_settings, submit, succeed, user
 
-from kiln import signing, tasks
+from kiln import netguard, signing, tasks
 from kiln.procs import free_port
 from kiln.settings import get_settings
 from kiln.tasks import Context, deliver, sweep
@@ -193,3 +195,79 @@ def test_enqueue_job_finished_skips_jobs_without_a_webhook_and_never_raises(
             assert time.monotonic() - started < 5
         finally:
             tasks.configure(get_settings())
+
+
+def _guarded(ctx: Context, tmp_path: object, **overrides: Any) -> None:
+    ctx.settings = make_settings(ctx.settings.database_url, ctx.settings.redis_prefix, tmp_path,  # type: ignore[arg-type]
+                                 **{"webhook_allow_private": False, **overrides})
+
+
+def test_a_name_resolving_to_loopback_is_given_up_without_a_post(
+        ctx: Context, receiver: Receiver, tmp_path: object) -> None:
+    _guarded(ctx, tmp_path)
+    receiver.fail_first = 0
+    url = receiver.url.replace("127.0.0.1", "localhost")
+    t = utcnow() - timedelta(minutes=1)
+    with ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url=url).id
+        succeed(ctx, s, job_id, now=t)
+    out = deliver(ctx, job_id, now=t)
+    assert (out.state, out.attempt, out.status, out.retry_in) == ("failed", 1, None, None)
+    assert deliver(ctx, job_id, now=t + timedelta(hours=1)).state == "skipped"
+    assert sweep(ctx, now=utcnow()) == []
+    time.sleep(0.2)  # a POST, had one been sent, would have arrived by now
+    assert receiver.requests == []
+    with ctx.sessions() as s:
+        row = webhooks.delivery(s, job_id)
+        assert row is not None
+        assert (row.state, row.attempts, row.last_status) == ("failed", 1, None)
+        assert row.last_error is not None
+        assert row.last_error.startswith(
+            "not sent: localhost resolves to a refused address: 127.0.0.1 is a loopback address")
+
+
+def test_a_stored_internal_literal_is_given_up_in_production(
+        ctx: Context, tmp_path: object) -> None:
+    # A job submitted while private destinations were allowed, delivered after they no longer
+    # are: the delivery check alone stops it.
+    _guarded(ctx, tmp_path, environment="production", webhook_allow_private=None)
+    t = utcnow() - timedelta(minutes=1)
+    with ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url="http://169.254.169.254/latest/meta-data").id
+        fail(s, job_id, now=t)
+        out = deliver(ctx, job_id, now=t)
+        assert (out.state, out.attempt) == ("failed", 1)
+        row = webhooks.delivery(s, job_id)
+        assert row is not None
+        assert row.last_error == "not sent: 169.254.169.254 is the cloud metadata address"
+
+
+def test_a_host_that_does_not_resolve_is_retried(
+        ctx: Context, tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    _guarded(ctx, tmp_path)
+
+    def no_dns(*args: object, **kwargs: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(netguard.socket, "getaddrinfo", no_dns)
+    t = utcnow() - timedelta(minutes=1)
+    with ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url="https://hooks.example.com/kiln").id
+        succeed(ctx, s, job_id, now=t)
+        out = deliver(ctx, job_id, now=t)
+        assert (out.state, out.status, out.retry_in) == ("pending", None, 2.0)
+        row = webhooks.delivery(s, job_id)
+        assert row is not None and row.last_error == (
+            "could not resolve the webhook host: [Errno -2] Name or service not known")
+
+
+def test_a_name_resolving_to_loopback_is_delivered_when_allowed(
+        ctx: Context, receiver: Receiver, tmp_path: object) -> None:
+    _guarded(ctx, tmp_path, webhook_allow_private=True, environment="production")
+    receiver.fail_first = 0
+    t = utcnow() - timedelta(minutes=1)
+    with ctx.sessions() as s:
+        job_id = submit(s, now=t, webhook_url=receiver.url.replace("127.0.0.1", "localhost")).id
+        succeed(ctx, s, job_id, now=t)
+    assert deliver(ctx, job_id, now=t).state == "delivered"
+    assert len(receiver.requests) == 1
