@@ -15,13 +15,12 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, func, insert, or_, select, true, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from storage.jobs import (
-    IdempotencyConflict,
     JobSpec,
     check_queue_room,
+    create_or_replay,
     decode_cursor,
     encode_cursor,
     is_job_id,
@@ -64,55 +63,36 @@ def create_batch(
     """
     if not specs:
         raise ValueError("a batch needs at least one job")
-    if idempotency_key is not None:
-        existing = _by_idempotency_key(session, owner.id, idempotency_key)
-        if existing is not None:
-            return _replay(existing, request_hash)
-    if max_queued is not None:
-        check_queue_room(session, owner.id, max_queued, adding=len(specs))
     now = now or utcnow()
-    batch = Batch(id=new_job_id(), owner_id=owner.id, name=name, created_at=now,
-                  meta=dict(metadata or {}), not_before=not_before, deadline=deadline,
-                  idempotency_key=idempotency_key, request_hash=request_hash)
-    session.add(batch)
-    session.flush()  # the jobs' foreign key needs the batch row first
-    rows = [
-        new_job_row(owner.id, replace(spec, batch_id=batch.id, batch_index=spec.batch_index or i),
-                    request_hash=request_hash, idempotency_key=None,
-                    max_attempts=max_attempts, now=now)
-        for i, spec in enumerate(specs, start=1)
-    ]
-    session.add_all(rows)
-    session.flush()
-    session.execute(insert(JobEvent), [
-        {"job_id": job.id, "at": now, "kind": "created", "attempt": 0,
-         "detail": {"batch_id": batch.id}} for job in rows
-    ])
-    try:
+
+    def insert_batch() -> BatchCreated:
+        if max_queued is not None:
+            check_queue_room(session, owner.id, max_queued, adding=len(specs))
+        batch = Batch(id=new_job_id(), owner_id=owner.id, name=name, created_at=now,
+                      meta=dict(metadata or {}), not_before=not_before, deadline=deadline,
+                      idempotency_key=idempotency_key, request_hash=request_hash)
+        session.add(batch)
+        session.flush()  # the jobs' foreign key needs the batch row first
+        rows = [
+            new_job_row(owner.id,
+                        replace(spec, batch_id=batch.id, batch_index=spec.batch_index or i),
+                        request_hash=request_hash, idempotency_key=None,
+                        max_attempts=max_attempts, now=now)
+            for i, spec in enumerate(specs, start=1)
+        ]
+        session.add_all(rows)
+        session.flush()
+        session.execute(insert(JobEvent), [
+            {"job_id": job.id, "at": now, "kind": "created", "attempt": 0,
+             "detail": {"batch_id": batch.id}} for job in rows
+        ])
         session.commit()
-    except IntegrityError:
-        # A concurrent request with the same idempotency key won the unique index.
-        session.rollback()
-        if idempotency_key is None:
-            raise
-        existing = _by_idempotency_key(session, owner.id, idempotency_key)
-        if existing is None:
-            raise
-        return _replay(existing, request_hash)
-    return BatchCreated(batch=batch, jobs=rows, created=True)
+        return BatchCreated(batch=batch, jobs=rows, created=True)
 
-
-def _by_idempotency_key(session: Session, owner_id: int, key: str) -> Batch | None:
-    return session.scalar(select(Batch).where(Batch.owner_id == owner_id,
-                                              Batch.idempotency_key == key))
-
-
-def _replay(existing: Batch, request_hash: str) -> BatchCreated:
-    if existing.request_hash != request_hash:
-        raise IdempotencyConflict(
-            "this Idempotency-Key was already used with a different request body"
-        )
-    return BatchCreated(batch=existing, jobs=[], created=False)
+    return create_or_replay(
+        session, Batch, owner.id, idempotency_key, request_hash, create=insert_batch,
+        replay=lambda batch: BatchCreated(batch=batch, jobs=[], created=False),
+    )
 
 
 def _visible(user: User) -> Any:

@@ -5,6 +5,9 @@ running job, the attempt token of the attempt making the change), written togeth
 `JobEvent` in one transaction and committed here. A write from an attempt that lost its lease
 therefore matches no row and changes nothing; the caller sees ``None``/``False`` and must stop.
 
+A submit with an idempotency key the owner already used returns the job that key made
+(`create_or_replay`, which batch submits share), also when the two requests race.
+
 Worker side, in order (all take ``now`` for tests; it defaults to the current UTC time):
 
 - `claim_job(session, job_id, worker_group_id=..., rank=..., lease_seconds=...)` -> `Claim | None`
@@ -28,10 +31,10 @@ import binascii
 import functools
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -70,6 +73,9 @@ MAX_SEED = 2**63 - 1
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 # Ordering of classes for queue position: interactive work always goes first.
 _CLASS_RANK = {JobClass.INTERACTIVE.value: 0, JobClass.BATCH.value: 1}
+
+_Keyed = TypeVar("_Keyed", Job, Batch)  # a row that an idempotency key names
+_Made = TypeVar("_Made")
 
 
 class IdempotencyConflict(ValueError):
@@ -157,25 +163,60 @@ def create_job(
     Raises `IdempotencyConflict` when the key was used with another request, `QueueFull` when
     the owner already has ``max_queued`` queued jobs (an idempotent replay is never refused).
     """
-    if idempotency_key is not None:
-        existing = _by_idempotency_key(session, owner.id, idempotency_key)
-        if existing is not None:
-            return _replay(existing, request_hash)
     now = now or utcnow()
-    job = new_job_row(owner.id, spec, request_hash=request_hash,
-                      idempotency_key=idempotency_key, max_attempts=max_attempts, now=now)
-    try:
+
+    def insert_job() -> Created:
+        job = new_job_row(owner.id, spec, request_hash=request_hash,
+                          idempotency_key=idempotency_key, max_attempts=max_attempts, now=now)
         queued = _insert_created(session, job, now, max_queued)
+        return Created(job=job, created=True, queued_before=queued)
+
+    return create_or_replay(session, Job, owner.id, idempotency_key, request_hash,
+                            create=insert_job, replay=lambda job: Created(job=job, created=False))
+
+
+def create_or_replay(
+    session: Session,
+    model: type[_Keyed],
+    owner_id: int,
+    idempotency_key: str | None,
+    request_hash: str,
+    *,
+    create: Callable[[], _Made],
+    replay: Callable[[_Keyed], _Made],
+) -> _Made:
+    """``replay(row)`` for the ``model`` row (a job or a batch) that an earlier request of
+    ``owner_id`` made with ``idempotency_key``, else ``create()``, which inserts and commits.
+
+    If a concurrent request with the same key wins the unique constraint, ``create()`` raises
+    `IntegrityError`: it is rolled back and the winner's row is replayed. Raises
+    `IdempotencyConflict` when the row to replay was made for another request (another
+    ``request_hash``); re-raises an `IntegrityError` that no row with the key explains.
+    """
+    existing = _made_earlier(session, model, owner_id, idempotency_key, request_hash)
+    if existing is not None:
+        return replay(existing)
+    try:
+        return create()
     except IntegrityError:
-        # A concurrent request with the same idempotency key won the unique constraint.
         session.rollback()
-        if idempotency_key is None:
-            raise
-        existing = _by_idempotency_key(session, owner.id, idempotency_key)
+        existing = _made_earlier(session, model, owner_id, idempotency_key, request_hash)
         if existing is None:
             raise
-        return _replay(existing, request_hash)
-    return Created(job=job, created=True, queued_before=queued)
+        return replay(existing)
+
+
+def _made_earlier(session: Session, model: type[_Keyed], owner_id: int,
+                  idempotency_key: str | None, request_hash: str) -> _Keyed | None:
+    if idempotency_key is None:
+        return None
+    existing = session.scalar(select(model).where(model.owner_id == owner_id,
+                                                  model.idempotency_key == idempotency_key))
+    if existing is not None and existing.request_hash != request_hash:
+        raise IdempotencyConflict(
+            "this Idempotency-Key was already used with a different request body"
+        )
+    return existing
 
 
 def _insert_created(session: Session, job: Job, now: datetime,
@@ -343,18 +384,6 @@ def new_job_row(owner_id: int, spec: JobSpec, *, request_hash: str,
     )
 
 
-def _by_idempotency_key(session: Session, owner_id: int, key: str) -> Job | None:
-    return session.scalar(select(Job).where(Job.owner_id == owner_id, Job.idempotency_key == key))
-
-
-def _replay(existing: Job, request_hash: str) -> Created:
-    if existing.request_hash != request_hash:
-        raise IdempotencyConflict(
-            "this Idempotency-Key was already used with a different request body"
-        )
-    return Created(job=existing, created=False)
-
-
 def _visible(user: User) -> Any:
     cond = Job.deleted_at.is_(None)
     return cond if user.is_admin else and_(cond, Job.owner_id == user.id)
@@ -469,16 +498,47 @@ def _event(session: Session, job_id: str, kind: str, now: datetime, attempt: int
     )
 
 
-def _update_one(session: Session, job_id: str, *where: Any, **values: Any) -> Job | None:
-    """One conditional UPDATE of one job; the updated row, or None if the guard did not match."""
-    stmt = (
+def _update(*where: Any, **values: Any) -> Any:
+    """The conditional UPDATE of the jobs where ``where`` holds, returning the updated rows."""
+    return (
         update(Job)
-        .where(Job.id == job_id, *where)
+        .where(*where)
         .values(**values)
         .returning(Job)
         .execution_options(synchronize_session=False, populate_existing=True)
     )
-    return session.scalars(stmt).one_or_none()
+
+
+def _transition(
+    session: Session,
+    job_id: str,
+    *where: Any,
+    attempt: str | None = None,
+    event: str | None,
+    detail: dict[str, Any] | Callable[[Job], dict[str, Any]] | None = None,
+    now: datetime,
+    keep_open: bool = False,
+    **values: Any,
+) -> Job | None:
+    """ONE conditional UPDATE of job ``job_id`` to ``values``, guarded by ``where`` (and, given
+    an ``attempt`` token, by the job running that attempt), and its ``event`` with ``detail``
+    (or ``detail(row)`` of the updated row; no event if None), committed together.
+
+    Returns the updated row, or None if the guard matched no row: nothing was written, and the
+    transaction is rolled back (left open with ``keep_open``, for a fallback change)."""
+    if attempt is not None:
+        where = (Job.state == JobState.RUNNING, Job.attempt_token == attempt, *where)
+    job = session.scalars(_update(Job.id == job_id, *where, **values)).one_or_none()
+    if job is None:
+        if not keep_open:
+            session.rollback()
+        return None
+    if event is not None:
+        if callable(detail):
+            detail = detail(job)
+        _event(session, job_id, event, now, job.attempts, **(detail or {}))
+    session.commit()
+    return job
 
 
 def request_cancel(
@@ -492,24 +552,20 @@ def request_cancel(
     if job is None:
         return None
     now = now or utcnow()
-    done = _update_one(
+    done = _transition(
         session, job_id, Job.state == JobState.QUEUED,
+        event="cancelled", detail={"by": user.name}, now=now, keep_open=True,
         state=JobState.CANCELLED.value, cancel_requested=True, finished_at=now,
         error="cancelled by the user before it started", error_code="cancelled",
     )
     if done is not None:
-        _event(session, job_id, "cancelled", now, done.attempts, by=user.name)
-        session.commit()
         return done, True
-    flagged = _update_one(
+    flagged = _transition(
         session, job_id, Job.state == JobState.RUNNING, Job.cancel_requested.is_(False),
-        cancel_requested=True,
+        event="cancel_requested", detail={"by": user.name}, now=now, cancel_requested=True,
     )
     if flagged is not None:
-        _event(session, job_id, "cancel_requested", now, flagged.attempts, by=user.name)
-        session.commit()
         return flagged, False
-    session.rollback()
     session.refresh(job)
     return job, False
 
@@ -529,15 +585,13 @@ def delete_job(
     job, was_queued = cancelled
     if job.state not in TERMINAL_STATES:
         raise JobBusy("the job is running; it can be deleted once its cancel takes effect")
-    deleted = _update_one(
+    deleted = _transition(
         session, job_id, Job.deleted_at.is_(None),
-        Job.state.in_([s.value for s in TERMINAL_STATES]), deleted_at=now,
+        Job.state.in_([s.value for s in TERMINAL_STATES]),
+        event="deleted", detail={"by": user.name}, now=now, deleted_at=now,
     )
     if deleted is None:
-        session.rollback()
         return None
-    _event(session, job_id, "deleted", now, deleted.attempts, by=user.name)
-    session.commit()
     return deleted, was_queued
 
 
@@ -649,14 +703,9 @@ def heartbeat(
         values["progress_step"] = step
     if total is not None:
         values["progress_total"] = total
-    job = _update_one(
-        session, job_id, Job.state == JobState.RUNNING, Job.attempt_token == attempt_token,
-        **values,
-    )
+    job = _transition(session, job_id, attempt=attempt_token, event=None, now=now, **values)
     if job is None:
-        session.rollback()
         return None
-    session.commit()
     return Beat(cancel_requested=job.cancel_requested, lease_expires_at=lease)
 
 
@@ -674,20 +723,16 @@ def finish_succeeded(
     started = session.scalar(
         select(Job.started_at).where(Job.id == job_id, Job.attempt_token == attempt_token)
     )
-    job = _update_one(
-        session, job_id, Job.state == JobState.RUNNING, Job.attempt_token == attempt_token,
+    job = _transition(
+        session, job_id, attempt=attempt_token, event="succeeded",
+        detail=lambda job: {"render_seconds": job.render_seconds}, now=now,
         state=JobState.SUCCEEDED.value, finished_at=now, lease_expires_at=None,
         progress_step=Job.progress_total, output_video_key=video_key,
         output_thumbnail_key=thumbnail_key,
         render_seconds=(now - started).total_seconds() if started is not None else None,
         error=None, error_code=None,
     )
-    if job is None:
-        session.rollback()
-        return False
-    _event(session, job_id, "succeeded", now, job.attempts, render_seconds=job.render_seconds)
-    session.commit()
-    return True
+    return job is not None
 
 
 def finish_cancelled(
@@ -695,18 +740,13 @@ def finish_cancelled(
 ) -> bool:
     """running -> cancelled, once the rank has stopped after seeing ``cancel_requested``."""
     now = now or utcnow()
-    job = _update_one(
-        session, job_id, Job.state == JobState.RUNNING, Job.attempt_token == attempt_token,
-        Job.cancel_requested.is_(True),
+    job = _transition(
+        session, job_id, Job.cancel_requested.is_(True), attempt=attempt_token,
+        event="cancelled", detail=lambda job: {"at_step": job.progress_step}, now=now,
         state=JobState.CANCELLED.value, finished_at=now, lease_expires_at=None,
         error="cancelled by the user while rendering", error_code="cancelled",
     )
-    if job is None:
-        session.rollback()
-        return False
-    _event(session, job_id, "cancelled", now, job.attempts, at_step=job.progress_step)
-    session.commit()
-    return True
+    return job is not None
 
 
 def fail_job(
@@ -725,29 +765,20 @@ def fail_job(
     to the ready index by the caller.
     """
     now = now or utcnow()
-    guard = (Job.state == JobState.RUNNING, Job.attempt_token == attempt_token)
-    if retryable:
-        job = _update_one(
-            session, job_id, *guard, Job.attempts < Job.max_attempts,
-            Job.cancel_requested.is_(False),
-            **_requeue_values(error, code),
-        )
-        if job is not None:
-            _event(session, job_id, "requeued", now, job.attempts, error=error, code=code)
-            session.commit()
-            return JobState.QUEUED
+    detail = {"error": error, "code": code}
+    if retryable and _transition(
+        session, job_id, Job.attempts < Job.max_attempts, Job.cancel_requested.is_(False),
+        attempt=attempt_token, event="requeued", detail=detail, now=now, keep_open=True,
+        **_requeue_values(error, code),
+    ) is not None:
+        return JobState.QUEUED
     new_state = JobState.DEAD if retryable else JobState.FAILED
-    job = _update_one(
-        session, job_id, *guard,
+    job = _transition(
+        session, job_id, attempt=attempt_token, event=new_state.value, detail=detail, now=now,
         state=new_state.value, finished_at=now, lease_expires_at=None, error=error,
         error_code=code,
     )
-    if job is None:
-        session.rollback()
-        return None
-    _event(session, job_id, new_state.value, now, job.attempts, error=error, code=code)
-    session.commit()
-    return new_state
+    return None if job is None else new_state
 
 
 def _requeue_values(error: str, code: str) -> dict[str, Any]:
@@ -777,11 +808,7 @@ def reap(session: Session, *, now: datetime | None = None) -> Reaped:
     lapsed = (Job.state == JobState.RUNNING, Job.lease_expires_at < now)
 
     def bulk(*where: Any, **values: Any) -> list[Job]:
-        stmt = (
-            update(Job).where(*where).values(**values).returning(Job)
-            .execution_options(synchronize_session=False, populate_existing=True)
-        )
-        return list(session.scalars(stmt))
+        return list(session.scalars(_update(*where, **values)))
 
     for job in bulk(*lapsed, Job.cancel_requested.is_(True),
                     state=JobState.CANCELLED.value, finished_at=now, lease_expires_at=None,

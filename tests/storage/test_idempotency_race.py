@@ -1,0 +1,93 @@
+"""Two requests with the same idempotency key at once: the one that loses the unique constraint
+replays what the winner made (or is refused for another body), for jobs and for batches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from storage import batches, jobs
+from storage.jobs import JobSpec
+from storage.models import Batch, Job, User
+from storage.users import get_or_create_user
+
+if TYPE_CHECKING:
+    from tests.conftest import Database
+
+
+def spec() -> JobSpec:
+    return JobSpec(model="kiln-tiny", prompt="a red circle", width=64, height=64, num_frames=9,
+                   fps=8, num_inference_steps=4, guidance_scale=5.0, seed=1)
+
+
+def _owner(session: Session) -> User:
+    owner = get_or_create_user(session, "alice")
+    session.commit()
+    return owner
+
+
+@pytest.mark.parametrize("winner_hash", ["a", "b"])
+def test_a_job_request_that_loses_the_key_race_replays_or_conflicts(
+    db: Database, session: Session, monkeypatch: pytest.MonkeyPatch, winner_hash: str,
+) -> None:
+    owner = _owner(session)
+    made = jobs.new_job_row
+    winner: list[jobs.Created] = []
+    raced = False
+
+    def row_after_a_concurrent_request(*args: Any, **kwargs: Any) -> Job:
+        # Runs after this request found no job with its key: another one makes it now.
+        nonlocal raced
+        if not raced:
+            raced = True
+            with db.session() as other:
+                rival = other.get(User, owner.id)
+                winner.append(jobs.create_job(other, rival, spec(), request_hash=winner_hash,
+                                              idempotency_key="k"))
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(jobs, "new_job_row", row_after_a_concurrent_request)
+    if winner_hash == "a":
+        result = jobs.create_job(session, owner, spec(), request_hash="a", idempotency_key="k")
+        assert not result.created and result.job.id == winner[0].job.id
+    else:
+        with pytest.raises(jobs.IdempotencyConflict):
+            jobs.create_job(session, owner, spec(), request_hash="a", idempotency_key="k")
+    assert session.scalar(select(func.count()).select_from(Job)) == 1
+
+
+@pytest.mark.parametrize("winner_hash", ["a", "b"])
+def test_a_batch_request_that_loses_the_key_race_replays_or_conflicts(
+    db: Database, session: Session, monkeypatch: pytest.MonkeyPatch, winner_hash: str,
+) -> None:
+    owner = _owner(session)
+    room = batches.check_queue_room
+    winner: list[batches.BatchCreated] = []
+    raced = False
+
+    def room_after_a_concurrent_request(*args: Any, **kwargs: Any) -> int:
+        # Runs after this request found no batch with its key: another one makes it now.
+        nonlocal raced
+        if not raced:
+            raced = True
+            with db.session() as other:
+                rival = other.get(User, owner.id)
+                winner.append(batches.create_batch(other, rival, [spec(), spec()],
+                                                   request_hash=winner_hash, idempotency_key="k"))
+        return room(*args, **kwargs)
+
+    monkeypatch.setattr(batches, "check_queue_room", room_after_a_concurrent_request)
+    if winner_hash == "a":
+        result = batches.create_batch(session, owner, [spec(), spec()], request_hash="a",
+                                      idempotency_key="k", max_queued=100)
+        assert not result.created and result.jobs == []
+        assert result.batch.id == winner[0].batch.id
+    else:
+        with pytest.raises(jobs.IdempotencyConflict):
+            batches.create_batch(session, owner, [spec(), spec()], request_hash="a",
+                                 idempotency_key="k", max_queued=100)
+    assert session.scalar(select(func.count()).select_from(Batch)) == 1
+    assert session.scalar(select(func.count()).select_from(Job)) == 2
