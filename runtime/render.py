@@ -144,12 +144,12 @@ def rank_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-                messages: Any) -> None:
+def _rank_entry(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any],
+                args: tuple[Any, ...], messages: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(rank_threads(world))
+    torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -171,19 +171,27 @@ class RenderError(RuntimeError):
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
               on_message: Callable[[str, int, tuple[Any, ...]], None] | None = None,
               on_sample: Callable[[int], None] | None = None,
-              timeout_s: float = 3600.0) -> list[Any]:
+              timeout_s: float = 3600.0, threads: int | None = None) -> list[Any]:
     """Run ``fn(rank, world, messages, *args)`` on ``world`` spawned CPU ranks over gloo.
 
     ``fn`` must be importable by name; ``messages.put((kind, rank, *payload))`` reaches
     ``on_message``; the ranks' return values come back in rank order. ``on_sample`` receives the
-    summed PSS of the rank processes about every 0.1 s (for memory benchmarks).
+    summed PSS of the rank processes about every 0.1 s (for memory benchmarks). ``threads``:
+    torch threads per rank, ``rank_threads(world)`` unless given.
+
+    A ``ValueError`` on a rank raises ``ValueError`` here (its message: a user mistake); any other
+    exception, a rank that exits, or ``timeout_s`` passing raises ``RenderError`` (with the
+    rank's traceback where there is one) unless another rank's ``ValueError``, the root cause,
+    arrives shortly after. Either way the other ranks are killed: they may be blocked in a
+    collective the failed rank will never join.
     """
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")
     messages = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, fn, args, messages),
+    threads = rank_threads(world) if threads is None else threads
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, threads, fn, args, messages),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

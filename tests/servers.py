@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,35 +19,45 @@ from typing import Any
 
 import httpx
 import uvicorn
+from typer.testing import CliRunner
 
 from api.app import create_app
-from kiln.procs import free_port
+from kiln.cli import app as cli
 from kiln.settings import Settings
+from storage.outputs import OutputStore
 from storage.users import create_api_key
 
 
 class Server:
-    """The API app served by uvicorn on a free port, in a thread."""
+    """An app served by uvicorn in a thread, on a free 127.0.0.1 port that is bound before the
+    server starts (nothing else can take it in between); ``config`` goes to ``uvicorn.Config``.
+    Entering yields the base URL once the server accepts connections."""
 
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+    def __init__(self, app: Any, **config: Any) -> None:
+        self.app = app
+        self.config = {"log_level": "warning", **config}
 
     def __enter__(self) -> str:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, **self.config)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                self.sock.close()
                 raise TimeoutError("the API did not start")
-            time.sleep(0.05)
+            time.sleep(0.01)
         return f"http://127.0.0.1:{self.port}"
 
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.sock.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +120,8 @@ class Receiver:
 
 
 KILN = str(Path(sys.executable).with_name("kiln"))
+REDIS_URL = "redis://127.0.0.1:6379/0"
+runner = CliRunner()
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,35 +130,51 @@ class Service:
     keys: dict[str, str]  # user name -> API key
     settings: Settings
     db: Any  # tests.conftest.Database
+    store: OutputStore  # the API's output store
+
+    def kiln(self, *args: str, who: str = "alice") -> Any:
+        """The ``kiln`` CLI (in this process) against this API with ``who``'s key."""
+        return runner.invoke(cli, [*args, "--api", self.url, "--key", self.keys[who]])
+
+
+@contextlib.contextmanager
+def serving_api(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path, *,
+                users: Sequence[str] = ("alice", "bob"), **overrides: Any) -> Iterator[Service]:
+    """The API alone (uvicorn, in a thread) on the test's database, Redis client and prefix, with
+    outputs under ``tmp_path`` and an API key for each of ``users``; ``overrides`` add to or
+    replace the ``Settings`` fields."""
+    values: dict[str, Any] = {"database_url": db.url, "redis_url": REDIS_URL,
+                              "redis_prefix": redis_prefix, "output_dir": tmp_path / "outputs",
+                              **overrides}
+    settings = Settings(_env_file=None, **values)  # type: ignore[call-arg]
+    with db.session() as s:
+        keys = {user: create_api_key(s, user).key for user in users}
+    # The test's own engine and client: closed by their fixtures, not left to the collector.
+    app = create_app(settings, engine=db.engine, redis=redis_client)
+    with Server(app) as url:
+        yield Service(url, keys, settings, db, app.state.store)
 
 
 @contextlib.contextmanager
 def running_service(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path, *,
                     users: Sequence[str] = ("alice", "bob"), dp: int = 2) -> Iterator[Service]:
-    """The API (uvicorn, in a thread) and a real ``kiln worker --dp N`` process group on the
-    test's database and Redis prefix; yields once the worker group has reported ready."""
-    env = {"KILN_DATABASE_URL": db.url, "REDIS_URL": "redis://127.0.0.1:6379/0",
+    """The API (``serving_api``) and a real ``kiln worker --dp N`` process group on the test's
+    database and Redis prefix; yields once the worker group has reported ready."""
+    env = {"KILN_DATABASE_URL": db.url, "REDIS_URL": REDIS_URL,
            "KILN_REDIS_PREFIX": redis_prefix, "KILN_OUTPUT_DIR": str(tmp_path / "outputs")}
-    settings = Settings(_env_file=None, database_url=db.url,  # type: ignore[call-arg]
-                        redis_url=env["REDIS_URL"], redis_prefix=redis_prefix,
-                        output_dir=tmp_path / "outputs")
-    with db.session() as s:
-        keys = {user: create_api_key(s, user).key for user in users}
-    worker = subprocess.Popen([KILN, "worker", "--dp", str(dp)], env={**os.environ, **env},
-                              start_new_session=True)
-    try:
-        # The test's own engine and client: closed by their fixtures, not left to the collector.
-        app = create_app(settings, engine=db.engine, redis=redis_client)
-        with Server(app) as url:
-            _wait_until_ready(url, keys[users[0]], worker)
-            yield Service(url, keys, settings, db)
-    finally:
-        os.killpg(worker.pid, signal.SIGINT)  # a graceful stop: running jobs finish or requeue
+    with serving_api(db, redis_client, redis_prefix, tmp_path, users=users) as service:
+        worker = subprocess.Popen([KILN, "worker", "--dp", str(dp)], env={**os.environ, **env},
+                                  start_new_session=True)
         try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+            _wait_until_ready(service.url, service.keys[users[0]], worker)
+            yield service
+        finally:
+            os.killpg(worker.pid, signal.SIGINT)  # a graceful stop: running jobs finish or requeue
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
 
 
 def _wait_until_ready(url: str, key: str, worker: subprocess.Popen[bytes]) -> None:

@@ -5,27 +5,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
-from servers import Server
+from servers import Service, serving_api
 from sqlalchemy import select
-from typer.testing import CliRunner
 
-from api.app import create_app
-from kiln.cli import app as cli
 from kiln.cli_batch import parse_window
-from kiln.settings import Settings
 from storage import jobs
 from storage.models import Job
-from storage.outputs import LocalStore, video_key
-from storage.users import create_api_key
+from storage.outputs import video_key
 
-runner = CliRunner()
 BERLIN = ZoneInfo("Europe/Berlin")
 
 
@@ -53,28 +46,11 @@ def test_window_refuses_what_is_not_start_end_clock_times(text: str) -> None:
         parse_window(text)
 
 
-@dataclass
-class Service:
-    url: str
-    key: str
-    db: Any
-    store: LocalStore
-
-    def kiln(self, *args: str) -> Any:
-        return runner.invoke(cli, [*args, "--api", self.url, "--key", self.key])
-
-
 @pytest.fixture
 def service(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> Iterator[Service]:
-    settings = Settings(_env_file=None, database_url=db.url,  # type: ignore[call-arg]
-                        redis_url="redis://unused", redis_prefix=redis_prefix,
-                        output_dir=tmp_path / "outputs", reconcile_interval_seconds=3600)
-    store = LocalStore(settings.output_dir)
-    with db.session() as s:
-        key = create_api_key(s, "alice").key
-    app = create_app(settings, engine=db.engine, redis=redis_client, store=store)
-    with Server(app) as url:
-        yield Service(url, key, db, store)
+    with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",),
+                     redis_url="redis://unused", reconcile_interval_seconds=3600) as svc:
+        yield svc
 
 
 def _write(path: Path, *lines: dict[str, Any]) -> Path:

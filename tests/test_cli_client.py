@@ -7,80 +7,60 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import Server
+from servers import Service, serving_api
 from sqlalchemy import select
 from typer.testing import CliRunner
 
-from api.app import create_app
 from kiln.cli import app as cli
 from kiln.procs import free_port
-from kiln.settings import Settings
 from storage import jobs
 from storage.models import Job
-from storage.outputs import LocalStore, video_key
-from storage.users import create_api_key
+from storage.outputs import video_key
 
 runner = CliRunner()
 
 
-@dataclass
-class Service:
-    url: str
-    keys: dict[str, str]
-    db: Any
-    store: LocalStore
-
-    def kiln(self, *args: str, who: str = "alice") -> Any:
-        return runner.invoke(cli, [*args, "--api", self.url, "--key", self.keys[who]])
-
-    def render_when_queued(self, *, fail: bool = False) -> threading.Thread:
-        """A stand-in worker: claims the next queued job, reports each step, then finishes it."""
-
-        def work() -> None:
-            deadline = time.monotonic() + 30
-            with self.db.session() as s:
-                while (job_id := s.scalar(select(Job.id).where(Job.state == "queued"))) is None:
-                    assert time.monotonic() < deadline, "no job was submitted"
-                    time.sleep(0.05)
-                    s.rollback()
-                claim = jobs.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=60)
-                assert claim is not None
-                for step in range(1, claim.job.num_inference_steps + 1):
-                    time.sleep(0.1)
-                    jobs.heartbeat(s, job_id, claim.attempt_token, step=step,
-                                   total=claim.job.num_inference_steps, lease_seconds=60)
-                if fail:
-                    jobs.fail_job(s, job_id, claim.attempt_token, error="out of device memory")
-                    return
-                self.store.put_bytes(video_key(job_id), b"an mp4 file")
-                jobs.finish_succeeded(s, job_id, claim.attempt_token, video_key=video_key(job_id))
-
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
-        return thread
-
-
 @pytest.fixture
 def service(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> Iterator[Service]:
-    settings = Settings(_env_file=None, database_url=db.url,  # type: ignore[call-arg]
-                        redis_url="redis://unused", redis_prefix=redis_prefix,
-                        output_dir=tmp_path / "outputs", reconcile_interval_seconds=3600)
-    store = LocalStore(settings.output_dir)
-    with db.session() as s:
-        keys = {"alice": create_api_key(s, "alice").key, "bob": create_api_key(s, "bob").key}
-    app = create_app(settings, engine=db.engine, redis=redis_client, store=store)
-    with Server(app) as url:
-        yield Service(url, keys, db, store)
+    with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice", "bob"),
+                     redis_url="redis://unused", reconcile_interval_seconds=3600) as svc:
+        yield svc
+
+
+def render_when_queued(service: Service, *, fail: bool = False) -> threading.Thread:
+    """A stand-in worker: claims the next queued job, reports each step, then finishes it."""
+
+    def work() -> None:
+        deadline = time.monotonic() + 30
+        with service.db.session() as s:
+            while (job_id := s.scalar(select(Job.id).where(Job.state == "queued"))) is None:
+                assert time.monotonic() < deadline, "no job was submitted"
+                time.sleep(0.05)
+                s.rollback()
+            claim = jobs.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=60)
+            assert claim is not None
+            for step in range(1, claim.job.num_inference_steps + 1):
+                time.sleep(0.1)
+                jobs.heartbeat(s, job_id, claim.attempt_token, step=step,
+                               total=claim.job.num_inference_steps, lease_seconds=60)
+            if fail:
+                jobs.fail_job(s, job_id, claim.attempt_token, error="out of device memory")
+                return
+            service.store.put_bytes(video_key(job_id), b"an mp4 file")
+            jobs.finish_succeeded(s, job_id, claim.attempt_token, video_key=video_key(job_id))
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_submit_wait_follows_progress_and_saves_the_video(service: Service,
                                                            tmp_path: Path) -> None:
-    worker = service.render_when_queued()
+    worker = render_when_queued(service)
     out = tmp_path / "videos" / "circle.mp4"
     result = service.kiln("submit", "a red circle", "--size", "64x48", "--frames", "9",
                           "--steps", "4", "--seed", "7", "--model", "kiln-tiny", "--wait",
@@ -98,7 +78,7 @@ def test_submit_wait_follows_progress_and_saves_the_video(service: Service,
 
 
 def test_submit_wait_exits_1_with_the_reason_when_the_job_fails(service: Service) -> None:
-    worker = service.render_when_queued(fail=True)
+    worker = render_when_queued(service, fail=True)
     result = service.kiln("submit", "a red circle", "--steps", "2", "--wait", "--poll", "0.05")
     worker.join(timeout=30)
     assert result.exit_code == 1
@@ -136,7 +116,7 @@ def test_submit_prints_the_id_and_status_shows_the_job_and_the_recent_list(
 
 def test_cancel_cancels_a_queued_job_and_refuses_a_finished_one_with_the_reason(
         service: Service) -> None:
-    worker = service.render_when_queued()
+    worker = render_when_queued(service)
     finished = service.kiln("submit", "rendered", "--steps", "1", "--wait", "--poll", "0.05")
     worker.join(timeout=30)
     assert finished.exit_code == 0, finished.output

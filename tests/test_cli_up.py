@@ -6,16 +6,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import av
 import httpx
+from servers import KILN
 
 from kiln.procs import free_port
-
-KILN = str(Path(sys.executable).with_name("kiln"))
 
 
 def test_kiln_up_from_an_empty_directory_renders_a_submitted_job(tmp_path: Path) -> None:

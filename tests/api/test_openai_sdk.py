@@ -7,14 +7,12 @@ storage and download path, not a render.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import openai
 import pytest
-import uvicorn
+from servers import Server
 
 pytestmark = pytest.mark.filterwarnings(
     # The SDK marks its video methods deprecated for OpenAI's own service; kiln is unaffected.
@@ -24,23 +22,9 @@ pytestmark = pytest.mark.filterwarnings(
 
 @pytest.fixture
 def base_url(api) -> Iterator[str]:  # noqa: ANN001
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     # The app's lifespan already ran under the TestClient in the `api` fixture.
-    config = uvicorn.Config(api.app, lifespan="off", log_level="warning", ws="none",
-                            http="h11")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with Server(api.app, lifespan="off", ws="none", http="h11") as url:
+        yield f"{url}/v1"
 
 
 def client(base_url: str, key: str) -> openai.OpenAI:

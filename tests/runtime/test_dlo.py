@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from dlo_models import MODELS, NoBlocksNet, UnevenNet, build, make_input, param_count
-from multirank import RankError, raise_on_rank_error, run_ranks
+from multirank import run_ranks
 from safetensors.torch import save_file
 from torch import nn
 
@@ -79,8 +79,7 @@ _exactness_cache: dict[int, list[dict[str, Any]]] = {}
 def exactness(checkpoints: dict[str, str]) -> Any:
     def results_for(dp: int) -> list[dict[str, Any]]:
         if dp not in _exactness_cache:
-            _exactness_cache[dp] = raise_on_rank_error(
-                run_ranks(dp, exactness_rank, checkpoints, timeout=300))
+            _exactness_cache[dp] = run_ranks(dp, exactness_rank, checkpoints, timeout=300)
         return _exactness_cache[dp]
 
     return results_for
@@ -122,7 +121,7 @@ def idle_rank(rank: int, world: int) -> list[bool]:
 
 
 def test_idle_rank_joins_gathers_without_computing_so_busy_rank_stays_exact() -> None:
-    busy, idle = raise_on_rank_error(run_ranks(2, idle_rank, timeout=120))
+    busy, idle = run_ranks(2, idle_rank, timeout=120)
     assert busy == [True] * 4
     assert idle == []
 
@@ -139,7 +138,7 @@ def reorder_rank(rank: int, world: int) -> list[bool]:
 
 
 def test_blocks_run_out_of_declared_order_still_exact_on_every_rank() -> None:
-    results = raise_on_rank_error(run_ranks(2, reorder_rank, timeout=120))
+    results = run_ranks(2, reorder_rank, timeout=120)
     assert results == [[True, True], [True, True]]
 
 
@@ -163,7 +162,7 @@ def subgroup_rank(rank: int, world: int) -> list[bool]:
 
 
 def test_two_worker_groups_in_one_world_each_gather_within_their_group() -> None:
-    assert raise_on_rank_error(run_ranks(4, subgroup_rank, timeout=120)) == [[True, True]] * 4
+    assert run_ranks(4, subgroup_rank, timeout=120) == [[True, True]] * 4
 
 
 class _Boom(RuntimeError):
@@ -192,7 +191,7 @@ def failing_rank(rank: int, world: int) -> list[bool]:
 
 
 def test_rank_whose_forward_raised_completes_its_gathers_and_others_are_unaffected() -> None:
-    busy, failing = raise_on_rank_error(run_ranks(2, failing_rank, timeout=120))
+    busy, failing = run_ranks(2, failing_rank, timeout=120)
     assert busy == [True, True]
     assert failing == [False, False]
 
@@ -315,7 +314,6 @@ def test_bad_checkpoint_or_layout_raises_clear_value_error_on_every_rank(
         broken_checkpoints: str, case: str, needle: str) -> None:
     results = run_ranks(2, errors_rank, case, broken_checkpoints, timeout=120)
     for rank, r in enumerate(results):
-        assert not isinstance(r, RankError), r.traceback
         assert r.startswith("ValueError: ") and needle in r, f"rank {rank}: {r}"
     if case == "missing_key":  # only rank 1 was missing it: rank 1 is named on both ranks
         assert all("rank(s) 1:" in r for r in results)
