@@ -4,6 +4,7 @@ after the commit), and rendering rows as native jobs or OpenAI videos."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,6 +30,9 @@ from api.schemas import (
     metadata_bytes,
 )
 from kiln import netguard
+from kiln.models import GENERIC as GENERIC_DEFAULTS
+from kiln.models import RequestDefaults
+from kiln.models import request_defaults as model_defaults
 from kiln.settings import Settings
 from scheduler import index as scheduler_index
 from storage import jobs, ready
@@ -102,19 +106,31 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
             p.add("webhook_url", reason)
 
 
+def request_defaults(s: Settings, model: str) -> RequestDefaults:
+    """What a request for ``model`` gets for the fields it leaves out: the model's own defaults
+    (`kiln.models`), with any ``KILN_DEFAULT_*`` setting on top."""
+    # Only a model this API serves is looked up: the name may be a directory on this machine.
+    own = model_defaults(model) if model in s.models else GENERIC_DEFAULTS
+    overrides = {f.name: getattr(s, f"default_{f.name}") for f in dataclasses.fields(own)
+                 if getattr(s, f"default_{f.name}") is not None}
+    return dataclasses.replace(own, **overrides) if overrides else own
+
+
 def spec_from_job_create(body: JobCreate, s: Settings, now: datetime) -> JobSpec:
+    model = body.model or s.default_model
+    d = request_defaults(s, model)
     spec = JobSpec(
-        model=body.model or s.default_model,
+        model=model,
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
-        width=body.width if body.width is not None else s.default_width,
-        height=body.height if body.height is not None else s.default_height,
-        num_frames=body.num_frames if body.num_frames is not None else s.default_num_frames,
-        fps=body.fps if body.fps is not None else s.default_fps,
+        width=body.width if body.width is not None else d.width,
+        height=body.height if body.height is not None else d.height,
+        num_frames=body.num_frames if body.num_frames is not None else d.num_frames,
+        fps=body.fps if body.fps is not None else d.fps,
         num_inference_steps=(body.num_inference_steps if body.num_inference_steps is not None
-                             else s.default_num_inference_steps),
+                             else d.num_inference_steps),
         guidance_scale=(body.guidance_scale if body.guidance_scale is not None
-                        else s.default_guidance_scale),
+                        else d.guidance_scale),
         seed=body.seed,
         job_class=JobClass(body.job_class),
         priority=body.priority,
@@ -133,12 +149,19 @@ def spec_from_job_create(body: JobCreate, s: Settings, now: datetime) -> JobSpec
 
 def spec_from_video_create(body: VideoCreate, s: Settings, now: datetime) -> JobSpec:
     p = _Problems()
-    width, height = s.default_width, s.default_height
+    # The OpenAI SDK defaults to its own model names; those mean "the default model" here.
+    model = body.model if body.model in s.models else s.default_model
+    if body.model is not None and body.model not in s.models and not body.model.startswith(
+        "sora"
+    ):
+        p.add("model", f"unknown model {body.model!r}; available: {', '.join(s.models)}")
+    d = request_defaults(s, model)
+    width, height = d.width, d.height
     if body.size is not None:
         w, h = body.size.split("x")
         width, height = int(w), int(h)
-    fps = body.fps or s.default_fps
-    num_frames = s.default_num_frames
+    fps = body.fps or d.fps
+    num_frames = d.num_frames
     if body.seconds is not None:
         seconds = int(body.seconds)
         if seconds < 1:
@@ -146,18 +169,12 @@ def spec_from_video_create(body: VideoCreate, s: Settings, now: datetime) -> Job
         # Wan's convention: N seconds at F fps is 1 + N*F frames (5 s at 16 fps: 81), rounded
         # up to the frame stride the video VAE needs.
         num_frames = 1 + -(-seconds * fps // s.frame_stride) * s.frame_stride
-    # The OpenAI SDK defaults to its own model names; those mean "the default model" here.
-    model = body.model if body.model in s.models else s.default_model
-    if body.model is not None and body.model not in s.models and not body.model.startswith(
-        "sora"
-    ):
-        p.add("model", f"unknown model {body.model!r}; available: {', '.join(s.models)}")
     spec = JobSpec(
         model=model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
         height=height, num_frames=num_frames, fps=fps,
-        num_inference_steps=body.num_inference_steps or s.default_num_inference_steps,
+        num_inference_steps=body.num_inference_steps or d.num_inference_steps,
         guidance_scale=(body.guidance_scale if body.guidance_scale is not None
-                        else s.default_guidance_scale),
+                        else d.guidance_scale),
         seed=body.seed,
     )
     _check_common(p, s, spec, now, size_fields=("size", "size"), frames_field="seconds")

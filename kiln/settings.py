@@ -58,12 +58,14 @@ class Settings(BaseSettings):
     # Models a job may name; the first is used when a request names none.
     models: list[str] = Field(default_factory=lambda: ["kiln-tiny"], min_length=1)
 
-    # What a request that leaves these out gets.
-    default_width: int = Field(default=256, ge=8)
-    default_height: int = Field(default=256, ge=8)
-    default_num_frames: int = Field(default=17, ge=1)
-    default_num_inference_steps: int = Field(default=30, ge=1)
-    default_guidance_scale: float = Field(default=5.0, ge=0)
+    # What a request that leaves these out gets. None (the default): the model's own, what it was
+    # trained for (kiln.models: kiln-tiny 64x64, 9 frames, 4 steps; Wan 832x480, 81 frames, 50
+    # steps); a value set here applies to every model.
+    default_width: int | None = Field(default=None, ge=8)
+    default_height: int | None = Field(default=None, ge=8)
+    default_num_frames: int | None = Field(default=None, ge=1)
+    default_num_inference_steps: int | None = Field(default=None, ge=1)
+    default_guidance_scale: float | None = Field(default=None, ge=0)
 
     # Request bounds: every job-creating request is checked against these before it is stored.
     min_size: int = Field(default=16, ge=8)
@@ -75,7 +77,7 @@ class Settings(BaseSettings):
     frame_stride: int = Field(default=4, ge=1)
     max_num_frames: int = Field(default=257, ge=1)
     max_fps: int = Field(default=60, ge=1)
-    default_fps: int = Field(default=8, ge=1)
+    default_fps: int | None = Field(default=None, ge=1)
     max_num_inference_steps: int = Field(default=200, ge=1)
     max_guidance_scale: float = Field(default=50.0, gt=0)
     max_prompt_chars: int = Field(default=4000, ge=1)
@@ -126,17 +128,16 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.default_fps > self.max_fps:
-            raise ValueError(f"default_fps ({self.default_fps}) exceeds max_fps ({self.max_fps})")
         if self.min_size > min(self.max_width, self.max_height):
             raise ValueError("min_size exceeds max_width or max_height")
-        if not (self.min_size <= self.default_width <= self.max_width
-                and self.min_size <= self.default_height <= self.max_height):
-            raise ValueError("default_width/default_height are outside the size bounds")
-        if self.default_num_frames > self.max_num_frames:
-            raise ValueError("default_num_frames exceeds max_num_frames")
-        if self.default_num_inference_steps > self.max_num_inference_steps:
-            raise ValueError("default_num_inference_steps exceeds max_num_inference_steps")
+        for name, low, high in (("fps", 1, self.max_fps),
+                                ("width", self.min_size, self.max_width),
+                                ("height", self.min_size, self.max_height),
+                                ("num_frames", 1, self.max_num_frames),
+                                ("num_inference_steps", 1, self.max_num_inference_steps)):
+            value = getattr(self, f"default_{name}")
+            if value is not None and not low <= value <= high:
+                raise ValueError(f"default_{name} ({value}) is outside [{low}, {high}]")
         if self.storage_url is not None and urlsplit(self.storage_url).scheme != "s3":
             raise ValueError(f"storage_url must be s3://bucket[/prefix], got {self.storage_url!r}")
         if self.webhook_backoff_max_seconds >= self.celery_visibility_timeout_seconds:

@@ -30,7 +30,7 @@ def test_submit_stores_a_queued_job_then_indexes_it_in_redis(api) -> None:
     assert (job["width"], job["num_frames"], job["seed"], job["model"]) == (64, 9, 7, "kiln-tiny")
     assert (job["progress"], job["step"], job["total_steps"]) == (0.0, 0, 4)
     assert job["class"] == "interactive" and job["priority"] == 5
-    assert job["fps"] == api.settings.default_fps and job["metadata"] == {"run": "n1"}
+    assert job["fps"] == 8 and job["metadata"] == {"run": "n1"}  # kiln-tiny's own fps
     key = ready.ready_key(api.settings.redis_prefix, "interactive", 5)
     assert api.redis.zscore(key, job["id"]) is not None
     got = api.client.get(f"/v1/jobs/{job['id']}", headers=api.auth("alice")).json()
