@@ -22,10 +22,9 @@ from typing import Any
 
 import psutil
 
+from kiln.models import TINY_MODEL
 from kiln.procs import free_port
 from runtime.pipelines.base import VideoPipeline, VideoRequest
-
-TINY_MODEL = "kiln-tiny"
 
 
 @dataclass(kw_only=True, slots=True)
