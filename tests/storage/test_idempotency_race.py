@@ -29,27 +29,33 @@ def _owner(session: Session) -> User:
     return owner
 
 
+def _after_a_rival(db: Database, owner: User, step: Any,
+                   rival: Any) -> tuple[Any, list[Any]]:
+    """``step`` (a function the request calls after it found no row with its key), wrapped so
+    that its first call lets a concurrent request make that row first: ``rival(session, owner)``.
+    Returns the wrapper and a list that will hold what the rival made."""
+    made: list[Any] = []
+    raced = False
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        nonlocal raced
+        if not raced:
+            raced = True  # before the rival runs: it calls ``step`` too
+            with db.session() as other:
+                made.append(rival(other, other.get(User, owner.id)))
+        return step(*args, **kwargs)
+
+    return wrapped, made
+
+
 @pytest.mark.parametrize("winner_hash", ["a", "b"])
 def test_a_job_request_that_loses_the_key_race_replays_or_conflicts(
     db: Database, session: Session, monkeypatch: pytest.MonkeyPatch, winner_hash: str,
 ) -> None:
     owner = _owner(session)
-    made = jobs.new_job_row
-    winner: list[jobs.Created] = []
-    raced = False
-
-    def row_after_a_concurrent_request(*args: Any, **kwargs: Any) -> Job:
-        # Runs after this request found no job with its key: another one makes it now.
-        nonlocal raced
-        if not raced:
-            raced = True
-            with db.session() as other:
-                rival = other.get(User, owner.id)
-                winner.append(jobs.create_job(other, rival, spec(), request_hash=winner_hash,
-                                              idempotency_key="k"))
-        return made(*args, **kwargs)
-
-    monkeypatch.setattr(jobs, "new_job_row", row_after_a_concurrent_request)
+    step, winner = _after_a_rival(db, owner, jobs.new_job_row, lambda s, user: jobs.create_job(
+        s, user, spec(), request_hash=winner_hash, idempotency_key="k"))
+    monkeypatch.setattr(jobs, "new_job_row", step)
     if winner_hash == "a":
         result = jobs.create_job(session, owner, spec(), request_hash="a", idempotency_key="k")
         assert not result.created and result.job.id == winner[0].job.id
@@ -64,22 +70,10 @@ def test_a_batch_request_that_loses_the_key_race_replays_or_conflicts(
     db: Database, session: Session, monkeypatch: pytest.MonkeyPatch, winner_hash: str,
 ) -> None:
     owner = _owner(session)
-    room = batches.check_queue_room
-    winner: list[batches.BatchCreated] = []
-    raced = False
-
-    def room_after_a_concurrent_request(*args: Any, **kwargs: Any) -> int:
-        # Runs after this request found no batch with its key: another one makes it now.
-        nonlocal raced
-        if not raced:
-            raced = True
-            with db.session() as other:
-                rival = other.get(User, owner.id)
-                winner.append(batches.create_batch(other, rival, [spec(), spec()],
-                                                   request_hash=winner_hash, idempotency_key="k"))
-        return room(*args, **kwargs)
-
-    monkeypatch.setattr(batches, "check_queue_room", room_after_a_concurrent_request)
+    step, winner = _after_a_rival(
+        db, owner, batches.check_queue_room, lambda s, user: batches.create_batch(
+            s, user, [spec(), spec()], request_hash=winner_hash, idempotency_key="k"))
+    monkeypatch.setattr(batches, "check_queue_room", step)
     if winner_hash == "a":
         result = batches.create_batch(session, owner, [spec(), spec()], request_hash="a",
                                       idempotency_key="k", max_queued=100)
