@@ -89,7 +89,12 @@ class JobCreate(BaseModel):
     job_class: Literal["interactive", "batch"] = Field(default="interactive", alias="class")
     not_before: UTCInstant | None = None
     deadline: UTCInstant | None = None
-    webhook_url: Annotated[HttpUrl, Field(max_length=2048)] | None = None
+    webhook_url: Annotated[HttpUrl, Field(
+        max_length=2048,
+        description="POSTed once the job ends (signed with KILN_WEBHOOK_SECRET). Outside a "
+                    "local deployment (KILN_WEBHOOK_ALLOW_PRIVATE), loopback, private and "
+                    "link-local addresses are refused: a 422 for such an IP, and no POST to "
+                    "a name that resolves to one.")] | None = None
     metadata: Metadata = Field(default_factory=dict)
 
 
