@@ -1,8 +1,9 @@
 """The status dashboard: one static page that polls the JSON API with the user's key.
 
 The page itself needs no key (it holds no data); it asks for one, keeps it in the browser's local
-storage, and shows what that key may see: job counts by state, the latest jobs with progress and
-thumbnails, and the worker groups with their ranks' memory and current jobs.
+storage, and shows what that key may see: job counts by state, the worker groups with their ranks'
+memory and current jobs, the newest batches (counts by state, progress, window, ETA and a link to
+the report, from ``GET /v1/batches``) and the latest jobs with progress and thumbnails.
 """
 
 from __future__ import annotations
