@@ -157,33 +157,60 @@ def serving_api(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path, *
 
 @contextlib.contextmanager
 def running_service(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path, *,
-                    users: Sequence[str] = ("alice", "bob"), dp: int = 2) -> Iterator[Service]:
-    """The API (``serving_api``) and a real ``kiln worker --dp N`` process group on the test's
-    database and Redis prefix; yields once the worker group has reported ready."""
-    env = {"KILN_DATABASE_URL": db.url, "REDIS_URL": REDIS_URL,
-           "KILN_REDIS_PREFIX": redis_prefix, "KILN_OUTPUT_DIR": str(tmp_path / "outputs")}
-    with serving_api(db, redis_client, redis_prefix, tmp_path, users=users) as service:
-        worker = subprocess.Popen([KILN, "worker", "--dp", str(dp)], env={**os.environ, **env},
-                                  start_new_session=True)
+                    users: Sequence[str] = ("alice", "bob"), dp: int = 2,
+                    **overrides: Any) -> Iterator[Service]:
+    """The API (``serving_api``) and a real ``kiln worker --dp N`` process group
+    (``worker_group``) on the test's database and Redis prefix; yields once the worker group has
+    reported ready. ``overrides`` (scalar ``Settings`` fields) go to both."""
+    with serving_api(db, redis_client, redis_prefix, tmp_path, users=users,
+                     **overrides) as service, worker_group(service, dp=dp, **overrides):
+        yield service
+
+
+@contextlib.contextmanager
+def worker_group(service: Service, *, dp: int = 2,
+                 **overrides: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """A real ``kiln worker --dp N`` in a process group of its own (the launcher is its leader)
+    on ``service``'s database, Redis prefix and outputs; ``overrides`` (scalar ``Settings``
+    fields) reach it as ``KILN_*`` variables. Yields the launcher once a group that was not
+    there before has reported ready; leaving stops the group gracefully, unless the test has
+    killed it already."""
+    s = service.settings
+    env = {"KILN_DATABASE_URL": s.database_url, "REDIS_URL": s.redis_url or REDIS_URL,
+           "KILN_REDIS_PREFIX": s.redis_prefix, "KILN_OUTPUT_DIR": str(s.output_dir),
+           **{f"KILN_{name.upper()}": str(value) for name, value in overrides.items()}}
+    key = next(iter(service.keys.values()))
+    before = {g["id"] for g in _groups(service.url, key)}
+    worker = subprocess.Popen([KILN, "worker", "--dp", str(dp)], env={**os.environ, **env},
+                              start_new_session=True)
+    try:
+        _wait_until_ready(service.url, key, worker, before)
+        yield worker
+    finally:
         try:
-            _wait_until_ready(service.url, service.keys[users[0]], worker)
-            yield service
-        finally:
             os.killpg(worker.pid, signal.SIGINT)  # a graceful stop: running jobs finish or requeue
-            try:
-                worker.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait()
+            worker.wait(timeout=60)
+        except ProcessLookupError:
+            worker.wait()  # the whole group is gone already
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
 
 
-def _wait_until_ready(url: str, key: str, worker: subprocess.Popen[bytes]) -> None:
-    """Until the group has loaded its model and reported: a test that times what the worker
-    does must not time its start-up."""
+def _groups(url: str, key: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{url}/v1/workers", headers={"Authorization": f"Bearer {key}"})
+    r.raise_for_status()
+    return list(r.json()["data"])
+
+
+def _wait_until_ready(url: str, key: str, worker: subprocess.Popen[bytes],
+                      before: set[str]) -> None:
+    """Until the new group has loaded its model and reported: a test that times what the worker
+    does must not time its start-up. Groups in ``before`` (one killed earlier still looks
+    ready) do not count."""
     deadline = time.monotonic() + 120
-    headers = {"Authorization": f"Bearer {key}"}
-    while not any(g["state"] == "ready"
-                  for g in httpx.get(f"{url}/v1/workers", headers=headers).json()["data"]):
+    while not any(g["state"] == "ready" and g["id"] not in before
+                  for g in _groups(url, key)):
         assert worker.poll() is None, f"the worker exited with {worker.returncode}"
         assert time.monotonic() < deadline, "the worker group never reported ready"
         time.sleep(0.2)

@@ -1,0 +1,172 @@
+"""Nothing is lost when a process dies: a worker group killed with SIGKILL in the middle of a
+render loses no job.
+
+Real servers only, on both database backends: the API over HTTP, the real Redis, and
+``kiln worker --dp 2`` process groups. The first group is killed outright (no graceful
+give-back), the lease reaper the Celery beat runs (`kiln.tasks.reap_leases`) puts the job back
+once its lease has lapsed, and a new group renders it to the same video `kiln render` makes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import av
+import httpx
+import numpy as np
+import psutil
+from servers import Service, serving_api, worker_group
+
+from kiln.tasks import Context, reap_leases
+from runtime.pipelines.base import VideoRequest
+from runtime.render import frames_to_uint8, load_pipeline
+from storage import jobs, ready
+from storage.models import Job, utcnow
+from storage.video import write_outputs
+
+LEASE = 5  # seconds; the setting's minimum
+# Enough steps that the render is still going when the group is killed (a step takes ~30 ms on
+# a CPU rank of a dp=2 group: ~4.5 s in all), few enough that the rerun keeps the test short.
+STEPS = 150
+JOB = {"model": "kiln-tiny", "prompt": "a red circle moving left", "width": 64, "height": 64,
+       "num_frames": 9, "num_inference_steps": STEPS, "fps": 8, "seed": 7}
+
+
+def _decoded(path: Path) -> np.ndarray:
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def _wait(client: httpx.Client, job_id: str, until: Any, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.get(f"/v1/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        job = r.json()
+        if until(job):
+            return job
+        assert job["status"] in ("queued", "running"), job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+
+
+def _kill_group(launcher: Any) -> None:
+    """SIGKILL to the launcher's whole process group; returns once none of it is left."""
+    members = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+    assert len(members) >= 3, "the launcher and its two ranks"
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait(timeout=10)
+    _, alive = psutil.wait_procs(members, timeout=10)
+    alive = [p for p in alive if _still_running(p)]
+    assert not alive, f"processes of the killed group survived: {alive}"
+
+
+def _still_running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _row(service: Service, job_id: str) -> Job:
+    with service.db.session() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        s.expunge(job)
+        return job
+
+
+def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_again(
+        db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
+    with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",),
+                     lease_seconds=LEASE) as service, \
+            httpx.Client(base_url=service.url, timeout=30,
+                         headers={"Authorization": f"Bearer {service.keys['alice']}"}) as client:
+        reaper = Context(settings=service.settings, sessions=db.session,  # type: ignore[arg-type]
+                         redis=redis_client, store=service.store)
+
+        # 1. A group starts rendering the job and is killed outright in the middle of it.
+        with worker_group(service, dp=2, lease_seconds=LEASE) as first:
+            r = client.post("/v1/jobs", json=JOB)
+            assert r.status_code == 201, r.text
+            job_id = r.json()["id"]
+            running = _wait(client, job_id, timeout=60,
+                            until=lambda j: j["status"] == "running" and j["progress"] >= 0.25)
+            _kill_group(first)
+
+        killed = _row(service, job_id)
+        assert killed.state == "running" and killed.attempts == 1
+        assert 0 < killed.progress_step < STEPS, "killed in the middle of its render"
+        assert running["step"] <= killed.progress_step
+        old_token = killed.attempt_token
+        assert old_token is not None and killed.lease_expires_at is not None
+        # The killed attempt wrote no output, whole or partial.
+        outputs = Path(service.settings.output_dir)
+        assert not outputs.exists() or not any(p.is_file() for p in outputs.rglob("*"))
+
+        # 2. While the lease holds, the reaper leaves the job alone; once it lapses, the reaper
+        # puts the job back in the queue and in the ready index.
+        almost = killed.lease_expires_at - timedelta(seconds=1)
+        assert reap_leases(reaper, now=almost).requeued == []
+        assert _row(service, job_id).state == "running"
+        while utcnow() <= killed.lease_expires_at:
+            time.sleep(0.1)
+        reaped = reap_leases(reaper)
+        assert reaped.requeued == [job_id] and reaped.dead == [] and reaped.cancelled == []
+
+        queued = client.get(f"/v1/jobs/{job_id}").json()
+        assert queued["status"] == "queued" and queued["attempts"] == 1, queued
+        assert queued["step"] == 0 and queued["queue_position"] == 0, queued
+        with db.session() as s:
+            events = jobs.job_events(s, job_id)
+            row = s.get(Job, job_id)
+            assert row is not None
+            assert row.error_code == "lease_expired" and row.attempt_token is None
+            assert ready.position(redis_client, redis_prefix, row) == 0
+        assert [e.kind for e in events] == ["created", "claimed", "requeued"], events
+        assert events[-1].attempt == 1 and events[-1].detail == {"reason": "lease expired"}
+
+        # 3. The killed attempt can no longer change the row.
+        with db.session() as s:
+            assert jobs.heartbeat(s, job_id, old_token, step=STEPS - 1, total=STEPS,
+                                  lease_seconds=LEASE) is None
+            assert not jobs.finish_succeeded(s, job_id, old_token, video_key="forged.mp4")
+            assert jobs.fail_job(s, job_id, old_token, error="late", retryable=True) is None
+        after = _row(service, job_id)
+        assert (after.state, after.attempts, after.progress_step) == ("queued", 1, 0)
+
+        # 4. A new group on the same database and Redis picks the job up and renders it.
+        with worker_group(service, dp=2, lease_seconds=LEASE):
+            done = _wait(client, job_id, timeout=60, until=lambda j: j["status"] == "succeeded")
+        assert done["attempts"] == 2 and done["progress"] == 1, done
+        finished = _row(service, job_id)
+        assert finished.attempt_token not in (None, old_token)
+        assert finished.output_video_key != "forged.mp4"
+        with db.session() as s:
+            kinds = [e.kind for e in jobs.job_events(s, job_id)]
+        assert kinds == ["created", "claimed", "requeued", "claimed", "succeeded"], kinds
+
+        # Its video is the one `kiln render` makes for the same request and seed.
+        r = client.get(f"/v1/jobs/{job_id}/video")
+        assert r.status_code == 200
+        served = tmp_path / "served.mp4"
+        served.write_bytes(r.content)
+        pipe = load_pipeline("kiln-tiny")
+        try:
+            request = VideoRequest(prompt=JOB["prompt"], width=64, height=64, num_frames=9,
+                                   num_steps=STEPS, seed=JOB["seed"])
+            frames = frames_to_uint8(pipe.generate(request)).numpy()
+        finally:
+            pipe.close()
+        local, _ = write_outputs(frames, tmp_path / "local.mp4", fps=8)
+        assert _decoded(served).shape == (9, 64, 64, 3)
+        assert np.array_equal(_decoded(served), _decoded(Path(local)))
+        # Nothing else in the outputs: no temporary or partial file from the killed attempt.
+        names = sorted(p.name for p in outputs.rglob("*") if p.is_file())
+        assert not [n for n in names if n.startswith(".tmp-")], names
+        assert len(names) == 2, names  # the video and its thumbnail
