@@ -4,6 +4,9 @@ Every state change is ONE conditional UPDATE whose WHERE names the state it expe
 running job, the attempt token of the attempt making the change), written together with its
 `JobEvent` in one transaction and committed here. A write from an attempt that lost its lease
 therefore matches no row and changes nothing; the caller sees ``None``/``False`` and must stop.
+The two hottest writes, a submit and a claim, are on PostgreSQL each ONE statement (the row and
+its event in data-modifying ``WITH`` clauses) run in autocommit: atomic on its own, and one
+round trip instead of ``BEGIN``, the writes and ``COMMIT``.
 
 A submit with an idempotency key the owner already used returns the job that key made
 (`create_or_replay`, which batch submits share), also when the two requests race.
