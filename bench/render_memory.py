@@ -8,6 +8,7 @@ is the physical memory the ranks hold together, counted once. Also reports each 
 first writes a random-weight Wan checkpoint of the given size. Prints one JSON document.
 
     python bench/render_memory.py --make --layers 30 --width 1024 --model /tmp/wan-2g --dp 2
+        [--text-dim 1024 --text-layers 24]   # a 0.6 GB text encoder as well
 """
 
 from __future__ import annotations
@@ -39,13 +40,18 @@ def main() -> None:
     ap.add_argument("--make", action="store_true", help="write a random Wan checkpoint first")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--text-dim", type=int, default=32, help="with --make: the text encoder's "
+                    "width (Wan's UMT5-XXL: 4096)")
+    ap.add_argument("--text-layers", type=int, default=2, help="with --make: its depth (24)")
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", default="out/render_memory.mp4")
     args = ap.parse_args()
     if args.make:
         make_checkpoint(args.model, SyntheticSpec(family="wan", num_layers=args.layers,
-                                                  width=args.width, head_dim=128))
+                                                  width=args.width, head_dim=128,
+                                                  text_dim=args.text_dim,
+                                                  text_layers=args.text_layers))
     ckpt = checkpoint_bytes(args.model)
     started = time.perf_counter()
     peak_pss, reports = _peak_render(args.model, args.dp, args.steps, args.out)

@@ -40,16 +40,24 @@ def meta_parameters() -> Iterator[None]:
 
 
 def model_class(model_dir: Path) -> type:
-    """The diffusers class named by ``config.json``'s ``_class_name``."""
+    """The class ``config.json`` names: a diffusers model's ``_class_name``, or a transformers
+    model's first ``architectures`` entry (the text encoders of the video pipelines)."""
     import diffusers
 
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json")
-    name = json.loads(config_path.read_text()).get("_class_name")
-    cls = getattr(diffusers, name or "", None)
+    config = json.loads(config_path.read_text())
+    if "_class_name" not in config and config.get("architectures"):
+        import transformers
+
+        name = config["architectures"][0]
+        cls = getattr(transformers, name, None)
+    else:
+        name = config.get("_class_name")
+        cls = getattr(diffusers, name or "", None)
     if cls is None:
-        raise ValueError(f"{config_path}: unknown diffusers model class {name!r}")
+        raise ValueError(f"{config_path}: unknown model class {name!r}")
     return cls
 
 
@@ -68,11 +76,15 @@ def match_checkpoint_dtypes(model: nn.Module, ckpt: Checkpoint) -> None:
 
 
 def build_on_meta(model_dir: str | os.PathLike[str]) -> Any:
-    """A diffusers model from ``model_dir``'s config: parameters on meta, checkpoint dtypes."""
+    """A diffusers (or transformers) model from ``model_dir``'s config: parameters on meta,
+    checkpoint dtypes."""
     model_dir = Path(model_dir)
     cls = model_class(model_dir)
     with meta_parameters():
-        model = cls.from_config(cls.load_config(model_dir))
+        if hasattr(cls, "from_config"):
+            model = cls.from_config(cls.load_config(model_dir))
+        else:
+            model = cls(cls.config_class.from_pretrained(model_dir))
     ckpt = Checkpoint.open(model_dir)
     try:
         match_checkpoint_dtypes(model, ckpt)

@@ -37,6 +37,7 @@ class SyntheticSpec:
     dtype: torch.dtype = torch.float32
     seed: int = 0
     text_dim: int = 32  # the tiny text encoder's width
+    text_layers: int = 2  # and its depth
     num_experts: int = 1  # wan: 2 writes a Wan2.2-style pair (high-noise, low-noise)
     boundary_ratio: float = 0.875  # wan, 2 experts: where the low-noise expert takes over
 
@@ -76,7 +77,7 @@ def _text_encoder(spec: SyntheticSpec, vocab_size: int, t5_class: str):  # noqa:
 
     config_cls = transformers.UMT5Config if t5_class.startswith("UMT5") else transformers.T5Config
     config = config_cls(vocab_size=vocab_size, d_model=spec.text_dim, d_kv=8,
-                        d_ff=2 * spec.text_dim, num_layers=2, num_heads=4,
+                        d_ff=2 * spec.text_dim, num_layers=spec.text_layers, num_heads=4,
                         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
                         decoder_start_token_id=0)
     return getattr(transformers, t5_class)(config).eval()

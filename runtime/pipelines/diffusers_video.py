@@ -44,10 +44,11 @@ class DiffusersVideoPipeline(VideoPipeline):
     max_sequence_length: ClassVar[int] = 512
 
     def __init__(self, pipe: Any, handles: Sequence[DLOHandle | None], *,
-                 device: torch.device) -> None:
+                 device: torch.device, text_handle: DLOHandle | None = None) -> None:
         super().__init__(handles)
         self.pipe = pipe
         self.device = device
+        self.text_handle = text_handle  # the text encoder's blocks, streamed rank-local
         self.transformers = [getattr(pipe, n) for n in TRANSFORMER_NAMES
                              if getattr(pipe, n, None) is not None]
         self.decode_free_bytes: int | None = None  # None: measure free memory at decode time
@@ -82,12 +83,29 @@ class DiffusersVideoPipeline(VideoPipeline):
             transformers[tname] = model
         if not transformers:
             raise ValueError(f"{model_dir}: no transformer directory")
+        # The text encoder (Wan's UMT5-XXL: 5.7 B parameters) streams its blocks too, but
+        # rank-local: a rank encodes its job's prompt when it admits the job, so its forwards
+        # are not in step with the other ranks' and must not wait on gathers. The ranks still
+        # share one copy of its weights, the checkpoint's page cache.
+        text_handle = None
+        text_dir = model_dir / "text_encoder"
+        if (text_dir / "config.json").is_file():
+            encoder = build_on_meta(text_dir)
+            text_handle = apply_dlo(encoder, checkpoint=text_dir, blocks=["encoder.block"],
+                                    group=group, use_allgather=False, device=dev)
+            transformers["text_encoder"] = encoder
         with _quiet_loading():
             pipe = getattr(diffusers, name).from_pretrained(model_dir, **transformers)
         pipe.set_progress_bar_config(disable=True)
-        for comp in ("text_encoder", "vae"):
-            getattr(pipe, comp).to(dev)
-        return family(pipe, handles, device=dev)
+        pipe.vae.to(dev)
+        if text_handle is None:
+            pipe.text_encoder.to(dev)
+        return family(pipe, handles, device=dev, text_handle=text_handle)
+
+    def close(self) -> None:
+        super().close()
+        if self.text_handle is not None:
+            self.text_handle.close()
 
     # ---- the shared decode ------------------------------------------------------------
 

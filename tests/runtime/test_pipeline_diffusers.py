@@ -55,6 +55,12 @@ def test_dlo_render_equals_the_diffusers_pipeline_bit_for_bit(model_dirs, name):
         for t in pipe.transformers:
             assert all(p.is_meta for p in t.get_submodule(
                 "blocks" if name.startswith("wan") else "transformer_blocks").parameters())
+        # So are the text encoder's, rank-local (a rank encodes its prompt on its own).
+        encoder = pipe.pipe.text_encoder
+        assert all(p.is_meta for p in encoder.encoder.block.parameters())
+        stats = pipe.text_handle.stats()
+        assert stats["mode"] == "rank-local"
+        assert stats["device_weight_buffer_bytes"] == 2 * stats["max_block_bytes"]
         frames = pipe.generate(REQUEST).numpy()
     finally:
         pipe.close()
