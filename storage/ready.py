@@ -24,9 +24,9 @@ import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from redis import Redis
+from redis.client import Pipeline
 from redis.exceptions import NoScriptError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -72,6 +72,12 @@ def score(job: Job) -> float:
 def add(redis: Redis, prefix: str, jobs: Iterable[Job]) -> None:
     """Adds queued jobs (call only after the transaction that queued them has committed)."""
     pipe = redis.pipeline(transaction=False)
+    if _announce(pipe, prefix, jobs):
+        pipe.execute()
+
+
+def _announce(pipe: Pipeline, prefix: str, jobs: Iterable[Job]) -> bool:
+    """Queues `add`'s commands on ``pipe``; False if there were no jobs."""
     ids = []
     for job in jobs:
         pipe.zadd(ready_key(prefix, job.class_, job.priority), {job.id: score(job)})
@@ -81,7 +87,7 @@ def add(redis: Redis, prefix: str, jobs: Iterable[Job]) -> None:
         pipe.ltrim(new_key(prefix), -NEW_CAP, -1)
         pipe.rpush(wake_key(prefix), "1")
         pipe.ltrim(wake_key(prefix), -WAKE_CAP, -1)
-        pipe.execute()
+    return bool(ids)
 
 
 def wait_for_work(redis: Redis, prefix: str, timeout_seconds: float) -> bool:
@@ -94,40 +100,19 @@ def remove(redis: Redis, prefix: str, job: Job) -> None:
     redis.zrem(ready_key(prefix, job.class_, job.priority), job.id)
 
 
-# Entries ahead of a job, for KEYS = the ready keys served before the job's, then its own, and
-# ARGV[1] = the job id: one command instead of a ZCARD per key ahead (up to 19) and a ZRANK.
-_COUNT_AHEAD = """
-local function ahead_of(first, id)
-  local ahead = 0
-  for i = first, #KEYS - 1 do
-    ahead = ahead + redis.call('ZCARD', KEYS[i])
-  end
-  local rank = redis.call('ZRANK', KEYS[#KEYS], id)
-  if not rank then
-    return -1
-  end
-  return ahead + rank
+# KEYS: the ready keys served before the job's, then its own; ARGV[1]: the job id. One command
+# instead of a ZCARD per key ahead (up to 19) and a ZRANK: every submit response asks for it.
+_POSITION = """
+local ahead = 0
+for i = 1, #KEYS - 1 do
+  ahead = ahead + redis.call('ZCARD', KEYS[i])
 end
+local rank = redis.call('ZRANK', KEYS[#KEYS], ARGV[1])
+if not rank then
+  return -1
+end
+return ahead + rank
 """
-_POSITION = _COUNT_AHEAD + "return ahead_of(1, ARGV[1])"
-# `add` for one job and its position, in one round trip (what every submit does). KEYS[1], [2]:
-# the new and wake lists, then the keys as for the position; ARGV: id, score, NEW_CAP, WAKE_CAP.
-_ADD_ONE = _COUNT_AHEAD + """
-redis.call('ZADD', KEYS[#KEYS], ARGV[2], ARGV[1])
-redis.call('RPUSH', KEYS[1], ARGV[1])
-redis.call('LTRIM', KEYS[1], -tonumber(ARGV[3]), -1)
-redis.call('RPUSH', KEYS[2], '1')
-redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1)
-return ahead_of(3, ARGV[1])
-"""
-
-
-def _run_script(redis: Redis, script: str, keys: list[str], *args: object) -> Any:
-    """EVALSHA, falling back to EVAL the first time after Redis started or flushed scripts."""
-    try:
-        return redis.evalsha(_sha(script), len(keys), *keys, *args)
-    except NoScriptError:
-        return redis.eval(script, len(keys), *keys, *args)
 
 
 @functools.cache
@@ -145,14 +130,27 @@ def _keys_up_to(prefix: str, job: Job) -> list[str]:
 def position(redis: Redis, prefix: str, job: Job) -> int | None:
     """Entries ahead of ``job`` in serving order, from the index in O(log n); None if the job is
     not in the index (not queued, or the index is being rebuilt)."""
-    found = int(_run_script(redis, _POSITION, _keys_up_to(prefix, job), job.id))
-    return None if found < 0 else found
+    keys = _keys_up_to(prefix, job)
+    try:
+        found = redis.evalsha(_sha(_POSITION), len(keys), *keys, job.id)
+    except NoScriptError:  # the first call after Redis started (or flushed its scripts)
+        found = redis.eval(_POSITION, len(keys), *keys, job.id)
+    return None if int(found) < 0 else int(found)
 
 
-def add_one(redis: Redis, prefix: str, job: Job) -> int:
-    """`add` for one job; returns its `position`."""
-    keys = [new_key(prefix), wake_key(prefix), *_keys_up_to(prefix, job)]
-    return int(_run_script(redis, _ADD_ONE, keys, job.id, score(job), NEW_CAP, WAKE_CAP))
+def add_one(redis: Redis, prefix: str, job: Job) -> int | None:
+    """`add` for one job, and its `position`, in one round trip (what every submit does)."""
+    pipe = redis.pipeline(transaction=False)
+    _announce(pipe, prefix, [job])
+    keys = _keys_up_to(prefix, job)
+    pipe.evalsha(_sha(_POSITION), len(keys), *keys, job.id)
+    *added, found = pipe.execute(raise_on_error=False)
+    for reply in [*added, found]:
+        if isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
+            raise reply
+    if isinstance(found, NoScriptError):  # the job is added; only the position needs the script
+        return position(redis, prefix, job)
+    return None if int(found) < 0 else int(found)
 
 
 @dataclass(frozen=True, slots=True)
