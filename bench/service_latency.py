@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kiln.procs import free_port  # noqa: E402
+from kiln.procs import free_port, stop_group  # noqa: E402
 
 KILN = str(Path(sys.executable).with_name("kiln"))
 POSTGRES_URL = os.environ.get("KILN_BENCH_POSTGRES_URL",
@@ -101,13 +100,7 @@ def process(argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[b
     try:
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, timeout=30)
 
 
 def wait_healthy(url: str, timeout: float = 60) -> None:

@@ -1,9 +1,12 @@
-"""Small process helpers shared by the launchers (kiln up, the worker group, render ranks)."""
+"""Small process helpers shared by the launchers (kiln up, the worker group, render ranks) and
+by the tests and benchmarks that start them."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
 import sys
 
 
@@ -24,3 +27,17 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Stops ``proc`` (started with ``start_new_session=True``) and everything it started:
+    SIGINT to its process group, a graceful stop, then SIGKILL if it has not exited within
+    ``timeout`` seconds. A group that is gone already is left as it is."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=timeout)
+    except ProcessLookupError:
+        proc.wait()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typer.testing import CliRunner
 
 from api.app import create_app
 from kiln.cli import app as cli
+from kiln.procs import stop_group
 from kiln.settings import Settings
 from storage.outputs import OutputStore
 from storage.users import create_api_key
@@ -187,14 +187,8 @@ def worker_group(service: Service, *, dp: int = 2,
         _wait_until_ready(service.url, key, worker, before)
         yield worker
     finally:
-        try:
-            os.killpg(worker.pid, signal.SIGINT)  # a graceful stop: running jobs finish or requeue
-            worker.wait(timeout=60)
-        except ProcessLookupError:
-            worker.wait()  # the whole group is gone already
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        # A graceful stop (running jobs finish or requeue); a killed group is gone already.
+        stop_group(worker, timeout=60)
 
 
 def _groups(url: str, key: str) -> list[dict[str, Any]]:

@@ -4,7 +4,6 @@ empty directory; a job submitted over HTTP renders and its MP4 downloads and dec
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import av
 import httpx
 from servers import KILN
 
-from kiln.procs import free_port
+from kiln.procs import free_port, stop_group
 
 
 def test_kiln_up_from_an_empty_directory_renders_a_submitted_job(tmp_path: Path) -> None:
@@ -54,12 +53,7 @@ def test_kiln_up_from_an_empty_directory_renders_a_submitted_job(tmp_path: Path)
             frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
         assert len(frames) == 9 and frames[0].shape == (64, 64, 3)
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, timeout=90)
         if proc.stdout:
             proc.stdout.close()
 
