@@ -1,5 +1,6 @@
 """A REAL dp=2 run: the persistent worker group (``kiln worker --dp 2``, CPU ranks over gloo)
-renders a mixed workload twice, fed two ways.
+renders a mixed workload fed two ways, in ``--repeat`` pairs of runs (the median ratio is the
+figure: this machine's speed drifts enough to move one pair by 0.2x).
 
 - **kiln**: every job is queued at once; the group admits a job onto a rank at the first step
   boundary after that rank's job ends (``scheduler.claim.claim_for_group``).
@@ -12,7 +13,7 @@ Redis, outputs written as MP4 + thumbnail by the worker. Time runs from the firs
 (the group's model load is left out) to the last job's end; queue wait is a job's start minus
 that first start (every job is available from then on in both modes).
 
-    python bench/scheduler_real.py [--jobs 16] [--seed 0]
+    python bench/scheduler_real.py [--jobs 16] [--seed 0] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -118,21 +119,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="pairs of runs, each pair in the other order than the last")
     args = parser.parse_args()
-    if args.jobs < 2:
-        raise SystemExit("--jobs must be >= 2")
+    if args.jobs < 2 or args.repeat < 1:
+        raise SystemExit("--jobs must be >= 2 and --repeat >= 1")
     jobs = specs(args.jobs, args.seed)
     r = redis.Redis.from_url(REDIS_URL)
     print(f"REAL run: kiln worker --dp 2 on CPU, {args.jobs} jobs, steps from (4, 8, 16), sizes "
           f"{' / '.join(f'{w}x{h}x{f}f' for w, h, f in SIZES)}, seed {args.seed}")
-    print(f"  {'feeding':<8} {'jobs/hour':>10} {'mean queue wait':>16}")
-    results = {}
+    # The machine's speed drifts over minutes: each pair runs both feedings back to back, and
+    # alternates which goes first, so a drift does not favour one of them.
+    ratios = []
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("waves", "kiln"):
-            results[mode] = run(mode, jobs, Path(tmp), r)
-            rate, wait = results[mode]
-            print(f"  {mode:<8} {rate:10.0f} {wait:14.2f} s")
-    print(f"  kiln / waves throughput: {results['kiln'][0] / results['waves'][0]:.2f}x")
+        for i in range(args.repeat):
+            order = ("waves", "kiln") if i % 2 == 0 else ("kiln", "waves")
+            print(f"pair {i + 1}:\n  {'feeding':<8} {'jobs/hour':>10} {'mean queue wait':>16}")
+            results = {}
+            pair_dir = Path(tmp) / str(i)
+            pair_dir.mkdir()
+            for mode in order:
+                results[mode] = run(mode, jobs, pair_dir, r)
+                rate, wait = results[mode]
+                print(f"  {mode:<8} {rate:10.0f} {wait:14.2f} s")
+            ratios.append(results["kiln"][0] / results["waves"][0])
+            print(f"  kiln / waves throughput: {ratios[-1]:.2f}x")
+    print(f"kiln / waves throughput over {len(ratios)} pair(s): median "
+          f"{statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
 
 
 if __name__ == "__main__":
