@@ -10,7 +10,10 @@ Every rank runs the same loop, one denoising step per turn:
 3. If any rank has a job, every rank runs one step: ``pipe.step`` on its job, ``pipe.idle_step``
    without one. Each step is the same number of forwards on every rank, so the weight gathers
    stay in lock-step (``runtime.pipelines.base``). A rank whose job has finished decodes it and
-   puts the video and thumbnail in the output store.
+   hands the frames to its own writer thread (MP4, thumbnail, output store), and is free for a
+   new job at the next step boundary: the encoding (longer than the decode) no longer holds up
+   the other ranks, which wait for this one at every gather. The job's final status follows when
+   its files are stored.
 4. Rank 0 gathers every rank's ``RankStatus`` and writes it down: progress and lease renewal
    (a heartbeat per step, which also reports cancel requests), and the final transition
    (succeeded / failed / cancelled), each guarded by the attempt token.
@@ -35,7 +38,8 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +93,9 @@ class RankStatus:
     attempt_token: str | None = None
     step: int = 0
     total: int = 0
-    outcome: str | None = None  # None (still running) | "succeeded" | "failed" | "cancelled"
+    # None (still running) | "rendered" (the rank is free; the job's files are being written,
+    # its final status follows) | "succeeded" | "failed" | "cancelled"
+    outcome: str | None = None
     video_key: str | None = None
     thumbnail_key: str | None = None
     error: str | None = None
@@ -112,6 +118,10 @@ class RankLoop:
         self.ticket: Ticket | None = None
         self.state: DenoiseState | None = None
         self.compute_seconds = 0.0  # spent in the current job's steps
+        # Finished jobs whose files the writer thread is storing: their final status, to be
+        # sent once the future is done.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"kiln-writer-{rank}")
+        self._writing: list[tuple[RankStatus, Future[tuple[str, str]]]] = []
         # Reading /proc/self/smaps_rollup walks every mapping (the mmapped weights included):
         # milliseconds per read, so it is read once per report, not once per step.
         self.host_memory_every_seconds = host_memory_every_seconds
@@ -148,26 +158,52 @@ class RankLoop:
         self.compute_seconds += time.perf_counter() - started
         if not self.state.done:
             return None
+        assert self.ticket is not None
         try:
-            video_key, thumb_key = self._write_outputs()
+            frames = frames_to_uint8(self.pipe.decode(self.state)).cpu().numpy()
         except Exception as exc:
             log.exception("rank %d: writing outputs of job %s failed", self.rank, self._job_id())
             return self._end(outcome="failed", error=f"writing the video failed: {exc}",
                              retryable=True)
-        return self._end(outcome="succeeded", video_key=video_key, thumbnail_key=thumb_key)
+        job_id, fps = self.ticket.job_id, self.ticket.fps
+        final = self._end(outcome="succeeded")
+        self._writing.append((final, self._writer.submit(self._write_outputs, frames, job_id,
+                                                         fps)))
+        return replace(final, outcome="rendered")
 
-    def _write_outputs(self) -> tuple[str, str]:
+    def _write_outputs(self, frames: Any, job_id: str, fps: int) -> tuple[str, str]:
+        """On the writer thread: the MP4 and thumbnail, into the output store."""
         from storage.outputs import thumbnail_key, video_key
         from storage.video import write_outputs
 
-        assert self.state is not None and self.ticket is not None
-        frames = frames_to_uint8(self.pipe.decode(self.state)).cpu().numpy()
-        job_id = self.ticket.job_id
         with tempfile.TemporaryDirectory(prefix="kiln-out-") as tmp:
-            video, thumb = write_outputs(frames, Path(tmp) / f"{job_id}.mp4", fps=self.ticket.fps)
+            video, thumb = write_outputs(frames, Path(tmp) / f"{job_id}.mp4", fps=fps)
             self.store.put(video_key(job_id), Path(video))
             self.store.put(thumbnail_key(job_id), Path(thumb))
         return video_key(job_id), thumbnail_key(job_id)
+
+    def written(self, wait: bool = False) -> list[RankStatus]:
+        """Final statuses of the jobs whose files are now stored (all of them with ``wait``)."""
+        done, still = [], []
+        for final, future in self._writing:
+            if not (wait or future.done()):
+                still.append((final, future))
+                continue
+            try:
+                video_key, thumb_key = future.result()
+            except Exception as exc:
+                log.error("rank %d: writing outputs of job %s failed", self.rank, final.job_id,
+                          exc_info=exc)
+                done.append(replace(final, outcome="failed", retryable=True,
+                                    error=f"writing the video failed: {exc}"))
+            else:
+                done.append(replace(final, video_key=video_key, thumbnail_key=thumb_key))
+        self._writing = still
+        return done
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self.pipe.close()
 
     def _job_id(self) -> str | None:
         return self.ticket.job_id if self.ticket else None
@@ -224,6 +260,8 @@ class Coordinator:
         self.group_id = f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
         self.host = host
         self.running: dict[int, Ticket] = {}  # rank -> job it renders
+        # Rendered jobs whose files their rank is still writing: job id -> its "rendered" status.
+        self.writing: dict[str, RankStatus] = {}
         self.steps_left: dict[int, int] = {}
         self.cancels: dict[int, str] = {}  # rank -> reason, sent with the next plan
         self.stopping = False
@@ -248,6 +286,9 @@ class Coordinator:
             if self.running:
                 self._last_work = time.monotonic()
                 plan.step = True
+                return plan
+            if self.writing:  # a turn without a step, in which the ranks finish their writes
+                self._last_work = time.monotonic()
                 return plan
             idle_for = time.monotonic() - self._last_work
             exit_idle = self.config.exit_when_idle_seconds
@@ -312,7 +353,13 @@ class Coordinator:
                     elif beat.cancel_requested:
                         self.cancels[st.rank] = "cancelled by the user"
                     continue
-                self.running.pop(st.rank, None)
+                ticket = self.running.get(st.rank)
+                if ticket is not None and ticket.job_id == st.job_id:
+                    self.running.pop(st.rank)  # the rank is free (its next job may be running)
+                if st.outcome == "rendered":
+                    self.writing[st.job_id] = st
+                    continue
+                self.writing.pop(st.job_id, None)
                 self._finish(session, st)
         now = time.monotonic()
         if now - self._last_report >= self.config.report_seconds:
@@ -383,15 +430,18 @@ class Coordinator:
         from storage import jobs, ready
         from storage.models import Job
 
+        attempts = [(t.job_id, t.attempt_token) for t in self.running.values()]
+        attempts += [(job_id, st.attempt_token) for job_id, st in self.writing.items()]
         with self.sessions() as session:
-            for ticket in self.running.values():
-                state = jobs.fail_job(session, ticket.job_id, ticket.attempt_token,
+            for job_id, token in attempts:
+                state = jobs.fail_job(session, job_id, token or "",
                                       error="the worker group stopped", code="worker_stopped",
                                       retryable=True)
-                job = session.get(Job, ticket.job_id)
+                job = session.get(Job, job_id)
                 if state is not None and state.value == "queued" and job is not None:
                     ready.add(self.redis, self.settings.redis_prefix, [job])
         self.running.clear()
+        self.writing.clear()
 
 
 # ---- the loop -------------------------------------------------------------------------------
@@ -430,6 +480,8 @@ def run_rank(rank: int, world: int, settings: Settings, config: WorkerConfig,
                 ended = loop.step()
                 if ended is not None:
                     statuses.append(ended)
+            # Files written meanwhile; on a turn without a step, every pending one.
+            statuses.extend(loop.written(wait=not plan.step))
             if loop.ticket is not None:
                 statuses.append(loop.progress())
             statuses.append(RankStatus(rank=rank, memory=loop.memory()))
@@ -441,7 +493,7 @@ def run_rank(rank: int, world: int, settings: Settings, config: WorkerConfig,
         if coordinator is not None:
             coordinator.give_back()
             coordinator.report([loop.memory()], state="stopped")
-        pipe.close()
+        loop.close()
 
 
 def _device_for(device: str) -> torch.device:
