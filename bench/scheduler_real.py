@@ -13,7 +13,7 @@ Redis, outputs written as MP4 + thumbnail by the worker. Time runs from the firs
 (the group's model load is left out) to the last job's end; queue wait is a job's start minus
 that first start (every job is available from then on in both modes).
 
-    python bench/scheduler_real.py [--jobs 16] [--seed 0] [--repeat 3]
+    python bench/scheduler_real.py [--jobs 40] [--seed 0] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def run(mode: str, jobs: list[JobSpec], tmp: Path, r: redis.Redis) -> tuple[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=16)
+    parser.add_argument("--jobs", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3,
                         help="pairs of runs, each pair in the other order than the last")
