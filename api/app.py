@@ -22,7 +22,7 @@ from api.errors import BodySizeLimit, install_error_handlers
 from api.metrics import make_registry
 from api.routes import batches, dashboard, jobs, system, videos
 from api.service import QueueRoom
-from kiln.settings import Settings, get_settings
+from common.settings import Settings, get_settings
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, make_store
 from storage.ready import rebuild_ready_index

@@ -27,7 +27,7 @@ from api.schemas import (
     JobCreate,
     metadata_bytes,
 )
-from kiln.settings import Settings
+from common.settings import Settings
 from storage import batches
 from storage.jobs import JobSpec
 from storage.models import Batch, Job, JobClass, JobState, User

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.service import QueueRoom
-from kiln.settings import Settings
+from common.settings import Settings
 from storage.models import User
 from storage.outputs import OutputStore
 from storage.users import authenticate, hash_key

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from kiln.settings import Settings
+from common.settings import Settings
 from storage import stats, workers
 from storage.jobs import MAX_PRIORITY, MIN_PRIORITY
 from storage.models import JobClass, JobState

@@ -29,11 +29,11 @@ from api.schemas import (
     VideoPublic,
     metadata_bytes,
 )
-from kiln import netguard
-from kiln.models import GENERIC as GENERIC_DEFAULTS
-from kiln.models import RequestDefaults
-from kiln.models import request_defaults as model_defaults
-from kiln.settings import Settings
+from common import netguard
+from common.families import GENERIC as GENERIC_DEFAULTS
+from common.families import RequestDefaults
+from common.families import request_defaults as model_defaults
+from common.settings import Settings
 from scheduler import index as scheduler_index
 from storage import jobs, ready
 from storage.jobs import Created, JobSpec
@@ -108,7 +108,7 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
 
 def request_defaults(s: Settings, model: str) -> RequestDefaults:
     """What a request for ``model`` gets for the fields it leaves out: the model's own defaults
-    (`kiln.models`), with any ``KILN_DEFAULT_*`` setting on top."""
+    (`common.families`), with any ``KILN_DEFAULT_*`` setting on top."""
     # Only a model this API serves is looked up: the name may be a directory on this machine.
     own = model_defaults(model) if model in s.models else GENERIC_DEFAULTS
     overrides = {f.name: getattr(s, f"default_{f.name}") for f in dataclasses.fields(own)

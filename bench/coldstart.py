@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.procs import free_port  # noqa: E402
+from common.procs import free_port  # noqa: E402
 
 GB = 1e9
 MODES = ("naive", "rank-local", "allgather")

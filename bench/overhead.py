@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.procs import free_port  # noqa: E402
+from common.procs import free_port  # noqa: E402
 
 
 def _rank(rank: int, dp: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:

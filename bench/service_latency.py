@@ -41,7 +41,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kiln.procs import free_port, stop_group  # noqa: E402
+from common.procs import free_port, stop_group  # noqa: E402
 
 KILN = str(Path(sys.executable).with_name("kiln"))
 POSTGRES_URL = os.environ.get("KILN_BENCH_POSTGRES_URL",

@@ -175,7 +175,7 @@ def spawned_api(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[str, str,
     from sqlalchemy.engine import make_url
 
     from bench.service_latency import KILN, fresh_database, make_key, process, wait_healthy
-    from kiln.procs import free_port
+    from common.procs import free_port
 
     prefix = f"kiln-bench-{secrets.token_hex(3)}:"
     with fresh_database(args.backend, tmp) as db_url:

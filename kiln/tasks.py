@@ -32,8 +32,9 @@ from celery import Celery, Task
 from redis import Redis, RedisError
 from sqlalchemy.orm import Session, sessionmaker
 
-from kiln import netguard, signing
-from kiln.settings import Settings, get_settings
+from common import netguard
+from common.settings import Settings, get_settings
+from kiln import signing
 from scheduler import index as scheduler_index
 from storage import jobs, ready, retention, webhooks
 from storage.db import make_engine, make_session_factory

@@ -6,7 +6,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection
 
-from kiln.settings import Settings
+from common.settings import Settings
 from storage.db import make_engine
 from storage.models import Base
 

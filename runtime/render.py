@@ -22,8 +22,8 @@ from typing import Any
 
 import psutil
 
-from kiln.models import TINY_MODEL
-from kiln.procs import free_port
+from common.families import TINY_MODEL
+from common.procs import free_port
 from runtime.pipelines.base import VideoPipeline, VideoRequest
 
 

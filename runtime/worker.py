@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kiln.procs import die_with_parent, free_port
-from kiln.settings import Settings
+from common.procs import die_with_parent, free_port
+from common.settings import Settings
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
 from runtime.platform import get_platform
 from runtime.render import frames_to_uint8, load_pipeline, memory_figures

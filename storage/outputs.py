@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 from urllib.parse import urlsplit
 
-from kiln.settings import Settings
+from common.settings import Settings
 
 _KEY = re.compile(r"^[a-z]+/[a-z0-9]{1,64}\.[a-z0-9]{2,4}$")
 

@@ -21,9 +21,9 @@ import uvicorn
 from typer.testing import CliRunner
 
 from api.app import create_app
+from common.procs import stop_group
+from common.settings import Settings
 from kiln.cli import app as cli
-from kiln.procs import stop_group
-from kiln.settings import Settings
 from storage.outputs import OutputStore
 from storage.users import create_api_key
 

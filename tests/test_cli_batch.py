@@ -14,7 +14,7 @@ import pytest
 from servers import Service, serving_api
 from sqlalchemy import select
 
-from kiln.cli_batch import parse_window
+from kiln.cli.batch import parse_window
 from storage import jobs
 from storage.models import Job
 from storage.outputs import video_key

@@ -15,8 +15,8 @@ from servers import Service, serving_api
 from sqlalchemy import select
 from typer.testing import CliRunner
 
+from common.procs import free_port
 from kiln.cli import app as cli
-from kiln.procs import free_port
 from storage import jobs
 from storage.models import Job
 from storage.outputs import video_key

@@ -12,7 +12,7 @@ import av
 import httpx
 from servers import KILN
 
-from kiln.procs import free_port, stop_group
+from common.procs import free_port, stop_group
 
 
 def test_kiln_up_from_an_empty_directory_renders_a_submitted_job(tmp_path: Path) -> None:

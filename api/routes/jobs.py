@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from api import service
 from api.deps import CurrentUser, QueueRoomDep, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.schemas import JobCreate, JobList, JobPublic, SafeQuery
-from kiln.settings import Settings
+from common.settings import Settings
 from storage import jobs, ready
 from storage.models import Job, JobState, User
 from storage.outputs import OutputStore

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.app import create_app
-from kiln.settings import Settings
+from common.settings import Settings
 from storage import jobs as job_repo
 from storage.models import Base, Job
 from storage.outputs import LocalStore, thumbnail_key, video_key

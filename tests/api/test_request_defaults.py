@@ -7,8 +7,8 @@ from pathlib import Path
 
 from api.schemas import JobCreate
 from api.service import request_defaults, spec_from_job_create
-from kiln.models import BY_PIPELINE_CLASS, GENERIC, TINY
-from kiln.settings import Settings
+from common.families import BY_PIPELINE_CLASS, GENERIC, TINY
+from common.settings import Settings
 from storage.models import utcnow
 
 

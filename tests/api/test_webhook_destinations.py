@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kiln import netguard
-from kiln.settings import Settings
+from common import netguard
+from common.settings import Settings
 
 if TYPE_CHECKING:
     from conftest import Api

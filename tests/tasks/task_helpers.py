@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from kiln.settings import Settings
+from common.settings import Settings
 from kiln.tasks import Context
 from storage import jobs
 from storage.jobs import JobSpec

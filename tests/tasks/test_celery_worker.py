@@ -14,8 +14,8 @@ import pytest
 from servers import Receiver
 from task_helpers import SECRET, make_settings, submit, succeed
 
+from common.settings import get_settings
 from kiln import signing, tasks
-from kiln.settings import get_settings
 from kiln.tasks import Context
 from storage import webhooks
 from storage.models import utcnow

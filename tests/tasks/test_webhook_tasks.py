@@ -14,9 +14,10 @@ import pytest
 from servers import Receiver
 from task_helpers import SECRET, fail, make_settings, submit, succeed, user
 
-from kiln import netguard, signing, tasks
-from kiln.procs import free_port
-from kiln.settings import get_settings
+from common import netguard
+from common.procs import free_port
+from common.settings import get_settings
+from kiln import signing, tasks
 from kiln.tasks import Context, deliver, sweep
 from storage import jobs, webhooks
 from storage.models import utcnow

@@ -9,8 +9,8 @@ from typing import Any
 
 from task_helpers import make_settings, submit
 
+from common.settings import get_settings
 from kiln import tasks
-from kiln.settings import get_settings
 from kiln.tasks import Context
 from runtime.worker import Coordinator, RankStatus, WorkerConfig
 from storage import jobs

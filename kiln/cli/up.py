@@ -19,8 +19,9 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import app
-from kiln.procs import die_with_parent, free_port
+from common.procs import die_with_parent, free_port
+
+app = typer.Typer()
 
 _KILN = str(Path(sys.executable).with_name("kiln"))
 
@@ -105,7 +106,7 @@ def up(
 ) -> None:
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""
     import migrations
-    from kiln.settings import Settings
+    from common.settings import Settings
     from storage.db import make_engine, make_session_factory
     from storage.users import create_api_key
 

@@ -11,7 +11,8 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import app
+app = typer.Typer()
+
 
 
 def parse_size(size: str) -> tuple[int, int]:

@@ -1,6 +1,4 @@
 """Service commands of the ``kiln`` CLI: ``kiln db upgrade``, ``kiln keys ...``, ``kiln api``.
-
-Importing this module attaches them to the Typer app in `kiln.cli`.
 """
 
 from __future__ import annotations
@@ -9,11 +7,11 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import app
-from kiln.settings import Settings
+from common.settings import Settings
 
 db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic migrations).")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys.")
+app = typer.Typer()
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 

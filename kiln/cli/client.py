@@ -4,8 +4,6 @@
 The client needs only the API's address (``--api`` / ``KILN_API_URL``) and a key (``--key`` /
 ``KILN_API_KEY``). Errors are one line on stderr with the API's reason; the exit status is 1 when
 a request fails or a waited-for job does not succeed.
-
-Importing this module attaches the commands to the Typer app in `kiln.cli`.
 """
 
 from __future__ import annotations
@@ -19,7 +17,8 @@ from typing import Annotated, Any, NoReturn
 import httpx
 import typer
 
-from kiln.cli import app
+app = typer.Typer()
+
 
 DEFAULT_API_URL = "http://127.0.0.1:8000"
 _FINAL = frozenset({"succeeded", "failed", "cancelled", "dead", "expired"})
@@ -305,7 +304,7 @@ def celery_(
 
     Production runs `kiln celery worker` (as many as needed) and one `kiln celery beat`.
     """
-    from kiln.settings import Settings
+    from common.settings import Settings
 
     settings = Settings()
     if settings.redis_url is None:

@@ -59,7 +59,7 @@ class Settings(BaseSettings):
     models: list[str] = Field(default_factory=lambda: ["kiln-tiny"], min_length=1)
 
     # What a request that leaves these out gets. None (the default): the model's own, what it was
-    # trained for (kiln.models: kiln-tiny 64x64, 9 frames, 4 steps; Wan 832x480, 81 frames, 50
+    # trained for (common.families: kiln-tiny 64x64, 9 frames, 4 steps; Wan 832x480, 81 frames, 50
     # steps); a value set here applies to every model.
     default_width: int | None = Field(default=None, ge=8)
     default_height: int | None = Field(default=None, ge=8)
@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     # Whether a webhook_url may point at loopback, private (RFC 1918, ULA), link-local (cloud
     # metadata), multicast or reserved addresses. Users choose the URL and the POST comes from
     # inside the deployment, so allowing this lets them reach internal services. None: allowed
-    # only when environment is "local" (a receiver on the developer's machine); see kiln.netguard.
+    # only when environment is "local" (a receiver on the developer's machine); see common.netguard.
     webhook_allow_private: bool | None = None
     # The sweeper re-sends deliveries whose task was lost, for jobs finished within this window.
     webhook_sweep_interval_seconds: float = Field(default=60.0, gt=0)

@@ -1,9 +1,9 @@
 """``kiln batch``: submit a JSONL of jobs as one batch (optionally inside a nightly window), follow
 it, and print its morning report, over the HTTP API.
 
-Uses the HTTP client of `kiln.cli_client` (``--api`` / ``KILN_API_URL``, ``--key`` /
-``KILN_API_KEY``, one-line errors with the API's reason, exit 1). Importing this module attaches
-the ``batch`` command group to the Typer app in `kiln.cli`.
+Uses the HTTP client of `kiln.cli.client` (``--api`` / ``KILN_API_URL``, ``--key`` /
+``KILN_API_KEY``, one-line errors with the API's reason, exit 1). `kiln.cli` adds this app as
+the ``batch`` command group.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ from typing import Annotated, Any
 
 import typer
 
-from kiln.cli import app
-from kiln.cli_client import DEFAULT_API_URL, ApiKey, ApiUrl, call
+from kiln.cli.client import DEFAULT_API_URL, ApiKey, ApiUrl, call
 
-batch_app = typer.Typer(no_args_is_help=True, help="Overnight batches: submit a JSONL of jobs, "
-                        "follow the batch, read its report.")
-app.add_typer(batch_app, name="batch")
+app = typer.Typer(no_args_is_help=True, help="Overnight batches: submit a JSONL of jobs, "
+                  "follow the batch, read its report.")
 
 _WINDOW = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)-([01]?\d|2[0-3]):([0-5]\d)$")
 _PROBLEM_STATES = ("failed", "expired", "dead")
@@ -62,7 +60,7 @@ def _local(stamp: str | None) -> str | None:
     return datetime.fromisoformat(stamp).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
-@batch_app.command("submit")
+@app.command("submit")
 def submit(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True,
                                          help="JSONL: one job (a POST /v1/jobs body) per line.")],
@@ -104,7 +102,7 @@ def submit(
     typer.echo(f"{batch['progress']['total']} jobs queued{when}", err=True)
 
 
-@batch_app.command("status")
+@app.command("status")
 def status(
     batch_id: Annotated[str, typer.Argument(metavar="ID", help="The batch id.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the API's JSON.")] = False,
@@ -142,7 +140,7 @@ def _status_text(batch: dict[str, Any]) -> str:
     return "\n".join(f"{label:>9}: {value}" for label, value in lines if value is not None)
 
 
-@batch_app.command("report")
+@app.command("report")
 def report(
     batch_id: Annotated[str, typer.Argument(metavar="ID", help="The batch id.")],
     every_job: Annotated[bool, typer.Option("--jobs", help="List every job with its links, not "

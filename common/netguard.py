@@ -18,7 +18,7 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-from kiln.settings import Settings
+from common.settings import Settings
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

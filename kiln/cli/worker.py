@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import app
+app = typer.Typer()
+
 
 
 @app.command()
@@ -18,8 +19,9 @@ def worker(
     allgather: Annotated[bool, typer.Option(
         help="Shard the block weights across the ranks (--no-allgather: rank-local).")] = True,
 ) -> None:
+
     """Load the model once on --dp ranks, then render queued jobs until stopped (Ctrl-C)."""
-    from kiln.settings import get_settings
+    from common.settings import get_settings
     from runtime.worker import WorkerConfig, run_worker
 
     if device not in ("cpu", "cuda", "npu"):
