@@ -1,5 +1,5 @@
 """Render videos without the service: one process (on the default device), or ``dp`` CPU ranks
-over gloo sharing weights.
+over gloo sharing weights, started by `runtime.launch`.
 
 With ``dp > 1`` every rank loads the model with DLO (all-gather mode shards the block weights
 across the ranks), takes the request with its rank's index if there is one, and all ranks step in
@@ -12,9 +12,7 @@ over a queue.
 from __future__ import annotations
 
 import os
-import queue
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Any
 import psutil
 
 from common.families import TINY_MODEL
-from common.procs import free_port
+from runtime.launch import RankContext, run_ranks
 from runtime.pipelines.base import VideoPipeline, VideoRequest
 
 
@@ -137,130 +135,23 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
                       pss_bytes=pss, private_bytes=private, dlo=dlo)
 
 
-def rank_threads(world: int) -> int:
-    """CPU threads per rank: the ranks share the machine's cores (without a limit each would
-    start one thread per core)."""
-    return max(1, (os.cpu_count() or 1) // world)
-
-
-def _rank_entry(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any],
-                args: tuple[Any, ...], messages: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        try:
-            result = fn(rank, world, messages, *args)
-        finally:
-            dist.destroy_process_group()
-        messages.put(("done", rank, result))
-    except ValueError as exc:  # a user mistake (a size the model cannot render): no traceback
-        messages.put(("invalid", rank, str(exc)))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
-        messages.put(("error", rank, traceback.format_exc()))
-
-
-class RenderError(RuntimeError):
-    pass
-
-
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any,
-              on_message: Callable[[str, int, tuple[Any, ...]], None] | None = None,
-              on_sample: Callable[[int], None] | None = None,
-              timeout_s: float = 3600.0, threads: int | None = None) -> list[Any]:
-    """Run ``fn(rank, world, messages, *args)`` on ``world`` spawned CPU ranks over gloo.
-
-    ``fn`` must be importable by name; ``messages.put((kind, rank, *payload))`` reaches
-    ``on_message``; the ranks' return values come back in rank order. ``on_sample`` receives the
-    summed PSS of the rank processes about every 0.1 s (for memory benchmarks). ``threads``:
-    torch threads per rank, ``rank_threads(world)`` unless given.
-
-    A ``ValueError`` on a rank raises ``ValueError`` here (its message: a user mistake); any other
-    exception, a rank that exits, or ``timeout_s`` passing raises ``RenderError`` (with the
-    rank's traceback where there is one) unless another rank's ``ValueError``, the root cause,
-    arrives shortly after. Either way the other ranks are killed: they may be blocked in a
-    collective the failed rank will never join.
-    """
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
-    messages = ctx.Queue()
-    port = free_port()
-    threads = rank_threads(world) if threads is None else threads
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, threads, fn, args, messages),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                raise RenderError(f"ranks timed out after {timeout_s:.0f} s")
-            try:
-                kind, rank, *payload = messages.get(timeout=0.1)
-            except queue.Empty:
-                if on_sample is not None:
-                    on_sample(_summed_pss(procs))
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise _root_cause(messages) or RenderError(
-                        f"a rank exited with code {dead[0].exitcode}") from None
-                continue
-            if kind == "done":
-                results[rank] = payload[0]
-            elif kind == "invalid":
-                raise ValueError(payload[0])
-            elif kind == "error":
-                # A rank whose partner failed fails too (its gather lost a peer): report the
-                # root cause, a user mistake on another rank, when one arrives shortly.
-                raise _root_cause(messages) or RenderError(f"rank {rank} failed:\n{payload[0]}")
-            elif on_message is not None:
-                on_message(kind, rank, tuple(payload))
-    except BaseException:
-        # The other ranks may be blocked in a gather that the failed rank will never join.
-        for p in procs:
-            p.kill()
-        raise
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-    return [results[r] for r in range(world)]
-
-
-def _root_cause(messages: Any, wait_s: float = 2.0) -> ValueError | None:
-    """A user mistake reported by some rank within ``wait_s``, if any."""
-    deadline = time.monotonic() + wait_s
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            kind, _, *payload = messages.get(timeout=left)
-        except queue.Empty:
-            return None
-        if kind == "invalid":
-            return ValueError(payload[0])
-    return None
-
-
-def _render_on_rank(rank: int, world: int, messages: Any, model: str,
-                    requests: list[VideoRequest], out: str, fps: int,
-                    use_allgather: bool) -> RankReport:
+def _render_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest], out: str,
+                    fps: int, use_allgather: bool) -> RankReport:
     started = time.perf_counter()
     pipe = load_pipeline(model, device="cpu", use_allgather=use_allgather)  # gloo ranks
     try:
-        step_cb = (lambda i, n: messages.put(("step", rank, i, n))) if rank == 0 else None
-        return render_rank(pipe, rank, requests, out, step_cb, fps=fps, started=started)
+        step_cb = ((lambda i, n: ctx.messages.put(("step", ctx.rank, i, n)))
+                   if ctx.rank == 0 else None)
+        return render_rank(pipe, ctx.rank, requests, out, step_cb, fps=fps, started=started)
     finally:
         pipe.close()
 
 
-def _generate_on_rank(rank: int, world: int, messages: Any, model: str,
-                      requests: list[VideoRequest], use_allgather: bool) -> Any:
+def _generate_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest],
+                      use_allgather: bool) -> Any:
     pipe = load_pipeline(model, device="cpu", use_allgather=use_allgather)  # gloo ranks
     try:
-        frames = run_lockstep(pipe, rank, requests)
+        frames = run_lockstep(pipe, ctx.rank, requests)
         return frames.cpu().numpy() if frames is not None else None
     finally:
         pipe.close()
@@ -272,13 +163,13 @@ def generate_on_ranks(model: str, requests: list[VideoRequest], dp: int, *,
     return run_ranks(dp, _generate_on_rank, model, requests, use_allgather, timeout_s=timeout_s)
 
 
-def _generate_rounds_on_rank(rank: int, world: int, messages: Any, model: str,
-                             requests: list[VideoRequest], use_allgather: bool) -> list[Any]:
+def _generate_rounds_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest],
+                             use_allgather: bool) -> list[Any]:
     pipe = load_pipeline(model, device="cpu", use_allgather=use_allgather)  # gloo ranks
     try:
         frames = []
-        for start in range(0, len(requests), world):
-            out = run_lockstep(pipe, rank, requests[start:start + world])
+        for start in range(0, len(requests), ctx.world):
+            out = run_lockstep(pipe, ctx.rank, requests[start:start + ctx.world])
             frames.append(out.cpu().numpy() if out is not None else None)
         return frames
     finally:
@@ -321,13 +212,3 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
 
     return run_ranks(dp, _render_on_rank, model, requests, out, fps, use_allgather,
                      on_message=on_message, on_sample=on_sample, timeout_s=timeout_s)
-
-
-def _summed_pss(procs: list[Any]) -> int:
-    total = 0
-    for p in procs:
-        try:
-            total += psutil.Process(p.pid).memory_full_info().pss
-        except (psutil.Error, AttributeError):
-            pass
-    return total

@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from kiln.cli import app
-from runtime.render import rank_threads
+from runtime.launch import rank_threads
 from storage.video import read_video
 
 ARGS = ["render", "--model", "kiln-tiny", "--prompt", "a red circle moving left", "--size",

@@ -48,8 +48,9 @@ def render(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from runtime.launch import RankFailure
     from runtime.pipelines.base import VideoRequest
-    from runtime.render import RenderError, output_path
+    from runtime.render import output_path
     from runtime.render import render as run_render
 
     console = Console(stderr=True)
@@ -75,7 +76,7 @@ def render(
         except ValueError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from exc
-        except RenderError as exc:
+        except RankFailure as exc:
             console.print(f"[red]render failed:[/red] {exc}")
             raise typer.Exit(1) from exc
         progress.update(task, description="done")

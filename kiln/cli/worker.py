@@ -9,7 +9,6 @@ import typer
 app = typer.Typer()
 
 
-
 @app.command()
 def worker(
     dp: Annotated[int, typer.Option(help="Ranks in the group; each renders its own job.")] = 1,
@@ -19,10 +18,10 @@ def worker(
     allgather: Annotated[bool, typer.Option(
         help="Shard the block weights across the ranks (--no-allgather: rank-local).")] = True,
 ) -> None:
-
     """Load the model once on --dp ranks, then render queued jobs until stopped (Ctrl-C)."""
+    # Here, not at the top: torch and the model code load only for the command that needs them.
     from common.settings import get_settings
-    from runtime.worker import WorkerConfig, run_worker
+    from kiln.worker import WorkerConfig, run_worker
 
     if device not in ("cpu", "cuda", "npu"):
         raise typer.BadParameter(f"--device must be cpu, cuda or npu, got {device!r}")

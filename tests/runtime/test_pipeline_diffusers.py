@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.launch import rank_threads
 from runtime.models.synthetic import (
     SyntheticSpec,
     build_components,
@@ -19,7 +20,7 @@ from runtime.models.synthetic import (
 )
 from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.diffusers_video import DiffusersVideoPipeline
-from runtime.render import generate_on_ranks, rank_threads
+from runtime.render import generate_on_ranks
 
 SPECS = {
     "wan": SyntheticSpec(family="wan"),

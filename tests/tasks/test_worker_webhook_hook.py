@@ -12,8 +12,9 @@ from task_helpers import make_settings, submit
 from common.settings import get_settings
 from kiln import tasks
 from kiln.tasks import Context
-from runtime.worker import Coordinator, RankStatus, WorkerConfig
-from storage import jobs
+from kiln.worker import Coordinator, WorkerConfig
+from runtime.rank_loop import RankStatus
+from storage import lifecycle
 from storage.models import Job
 from storage.outputs import video_key
 
@@ -26,7 +27,7 @@ def test_finishing_a_job_with_a_webhook_enqueues_its_delivery_and_others_enqueue
         plain = submit(s).id
         tokens = {}
         for job_id in (hooked, plain):
-            claim = jobs.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=600)
+            claim = lifecycle.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=600)
             assert claim is not None
             tokens[job_id] = claim.attempt_token
     tasks.configure(settings)

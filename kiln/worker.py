@@ -1,0 +1,316 @@
+"""The worker group's service loop: N ranks load the model once, then render queued jobs forever.
+
+The ranks run `runtime.rank_loop` (one denoising step per turn, in lock-step). Rank 0 also runs
+the `Coordinator`, this module's bookkeeping against the database, Redis and the batcher, as
+vLLM's engine core is to its GPU workers: it turns what it knows into a `StepPlan` every turn
+(jobs claimed for free ranks with `scheduler.claim.claim_for_group`, cancels, stop), and writes
+down what the ranks report (progress and lease renewal, a heartbeat per step that also reports
+cancel requests; each attempt's end through `scheduler.attempts.finish_attempt`). A rank is given
+a new job at the first step boundary after its last one ended, while the other ranks carry on:
+there are no waves.
+
+Its side effects reach it from outside: the webhook enqueue (``notify``), the group report
+(``report``) and the output store (the ranks' ``write``).
+
+Launch: ``kiln worker --dp N`` spawns N local ranks (`runtime.launch`); under ``torchrun`` each
+process is one rank (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_ADDR``/``MASTER_PORT``
+from the launcher).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis import Redis, RedisError
+from sqlalchemy.orm import Session
+
+from common.settings import Settings
+from kiln.tasks import enqueue_job_finished
+from runtime.launch import (
+    RankContext,
+    RankFailure,
+    device_for,
+    run_ranks,
+    run_this_rank,
+    under_torchrun,
+)
+from runtime.pipelines.base import VideoRequest
+from runtime.platform import get_platform
+from runtime.rank_loop import RankLoop, RankStatus, StepPlan, Ticket, run_loop
+from runtime.render import load_pipeline
+from scheduler.claim import claim_for_group, job_tokens, record_result
+from scheduler.policy import RunningJob
+from storage import lifecycle, ready
+from storage.db import make_engine, make_session_factory
+from storage.models import Job
+from storage.outputs import OutputStore, make_store, thumbnail_key, video_key
+from storage.video import write_outputs
+from storage.workers import GroupReport, report_group
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerConfig:
+    dp: int = 1
+    model: str = "kiln-tiny"
+    device: str = "cpu"  # cpu | cuda | npu
+    use_allgather: bool = True
+    poll_seconds: float = 0.05  # longest an idle coordinator waits for a wake before it looks
+    idle_tick_seconds: float = 1.0  # longest an idle rank waits in a collective
+    report_seconds: float = 2.0  # how often the group reports itself (memory, current jobs)
+    exit_when_idle_seconds: float | None = None  # stop after this long without work (tests)
+    name: str = ""
+
+
+class Coordinator:
+    """Rank 0's bookkeeping against the database and Redis (a `runtime.rank_loop.GroupDriver`).
+
+    ``notify(session, job_id)``: called after a job's final state is committed (the webhook
+    enqueue); ``report(session, report)``: records the group's state for ``/v1/workers``.
+    """
+
+    def __init__(self, settings: Settings, config: WorkerConfig, world: int, mode: str,
+                 platform_name: str, *,
+                 notify: Callable[[Session, str], object] = enqueue_job_finished,
+                 report: Callable[[Session, GroupReport], object] = report_group) -> None:
+        self.settings = settings
+        self.config = config
+        self.world = world
+        self.mode = mode
+        self.platform_name = platform_name
+        self.notify = notify
+        self._report = report
+        self.sessions = make_session_factory(make_engine(settings.database_url))
+        if not settings.redis_url:
+            raise ValueError("the worker needs REDIS_URL (kiln up sets it for its children)")
+        self.redis = Redis.from_url(settings.redis_url)
+        host = socket.gethostname()
+        self.group_id = f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.host = host
+        self.running: dict[int, Ticket] = {}  # rank -> job it renders
+        # Rendered jobs whose files their rank is still writing: job id -> its "rendered" status.
+        self.writing: dict[str, RankStatus] = {}
+        self.steps_left: dict[int, int] = {}
+        self.cancels: dict[int, str] = {}  # rank -> reason, sent with the next plan
+        self.stopping = False
+        self._last_report = 0.0
+        self._last_work = time.monotonic()
+
+    def start(self, memory: dict[str, Any]) -> None:
+        self.report([memory], state="starting")
+        log.info("worker group %s: %d rank(s), model %s, %s", self.group_id, self.world,
+                 self.config.model, self.mode)
+
+    def stop(self, memory: dict[str, Any]) -> None:
+        self.give_back()
+        self.report([memory], state="stopped")
+
+    # The plan for the next step.
+    def next_plan(self, stop_requested: bool) -> StepPlan:
+        deadline = time.monotonic() + self.config.idle_tick_seconds
+        while True:
+            if stop_requested and not self.stopping:
+                log.info("worker group %s: stopping after the running jobs", self.group_id)
+                self.stopping = True
+            plan = StepPlan(drop=dict(self.cancels))
+            self.cancels.clear()
+            for rank in plan.drop:
+                self.running.pop(rank, None)
+            free = [r for r in range(self.world) if r not in self.running]
+            if free and not self.stopping:
+                plan.assign = self._claim(free)
+                self.running.update(plan.assign)
+            if self.running:
+                self._last_work = time.monotonic()
+                plan.step = True
+                return plan
+            if self.writing:  # a turn without a step, in which the ranks finish their writes
+                self._last_work = time.monotonic()
+                return plan
+            idle_for = time.monotonic() - self._last_work
+            exit_idle = self.config.exit_when_idle_seconds
+            if self.stopping or (exit_idle is not None and idle_for > exit_idle):
+                plan.stop = True
+                return plan
+            if plan.drop or time.monotonic() >= deadline:
+                return plan
+            self._wait_for_work()
+
+    def _wait_for_work(self) -> None:
+        """Up to ``poll_seconds``, cut short when a submission announces work in Redis."""
+        try:
+            ready.wait_for_work(self.redis, self.settings.redis_prefix, self.config.poll_seconds)
+        except RedisError:
+            time.sleep(self.config.poll_seconds)  # the claim that follows reports the outage
+
+    def _claim(self, free: list[int]) -> dict[int, Ticket]:
+        running = [RunningJob(job_id=t.job_id, rank=r, model=self.config.model,
+                              cost_per_step=0.0, steps_left=self.steps_left.get(r, 0))
+                   for r, t in self.running.items()]
+        with self.sessions() as session:
+            claims = claim_for_group(
+                session, self.redis, prefix=self.settings.redis_prefix, group_id=self.group_id,
+                model=self.config.model, free_ranks=free, running=running,
+                lease_seconds=self.settings.lease_seconds)
+        tickets = {}
+        for rank, claim in claims:
+            job = claim.job
+            request = VideoRequest(
+                prompt=job.prompt, negative_prompt=job.negative_prompt or "", width=job.width,
+                height=job.height, num_frames=job.num_frames,
+                num_steps=job.num_inference_steps, seed=job.seed,
+                guidance_scale=job.guidance_scale)
+            tickets[rank] = Ticket(job_id=job.id, attempt_token=claim.attempt_token,
+                                   request=request, fps=job.fps)
+            self.steps_left[rank] = job.num_inference_steps
+        return tickets
+
+    # What happened in the step.
+    def record(self, statuses: list[RankStatus]) -> None:
+        lease = self.settings.lease_seconds
+        with self.sessions() as session:
+            for st in statuses:
+                if st.job_id is None or st.attempt_token is None:
+                    continue
+                if st.outcome is None:
+                    self.steps_left[st.rank] = st.total - st.step
+                    beat = lifecycle.heartbeat(session, st.job_id, st.attempt_token, step=st.step,
+                                          total=st.total, lease_seconds=lease)
+                    if beat is None:
+                        self.cancels[st.rank] = "the lease of this attempt was lost"
+                    elif beat.cancel_requested:
+                        self.cancels[st.rank] = "cancelled by the user"
+                    continue
+                ticket = self.running.get(st.rank)
+                if ticket is not None and ticket.job_id == st.job_id:
+                    self.running.pop(st.rank)  # the rank is free (its next job may be running)
+                if st.outcome == "rendered":
+                    self.writing[st.job_id] = st
+                    continue
+                self.writing.pop(st.job_id, None)
+                self._finish(session, st)
+        now = time.monotonic()
+        if now - self._last_report >= self.config.report_seconds:
+            self.report([st.memory for st in statuses if st.memory])
+            self._last_report = now
+
+    def _finish(self, session: Session, st: RankStatus) -> None:
+        assert st.job_id is not None and st.attempt_token is not None
+        if st.outcome == "succeeded":
+            assert st.video_key is not None
+            if lifecycle.finish_succeeded(session, st.job_id, st.attempt_token,
+                                     video_key=st.video_key, thumbnail_key=st.thumbnail_key):
+                self._learn_cost(session, st)
+        elif st.outcome == "cancelled":
+            if not lifecycle.finish_cancelled(session, st.job_id, st.attempt_token):
+                log.info("job %s: dropped (%s)", st.job_id, st.error)
+        else:
+            state = lifecycle.fail_job(session, st.job_id, st.attempt_token,
+                                  error=st.error or "render failed", retryable=st.retryable)
+            if state is not None and state.value == "queued":
+                job = session.get(Job, st.job_id)
+                if job is not None:
+                    ready.add(self.redis, self.settings.redis_prefix, [job])
+        # After the commit: its webhook goes out now rather than at the next sweep (best effort;
+        # this never raises, and does nothing for a job that is not finished or has no webhook).
+        self.notify(session, st.job_id)
+
+    def _learn_cost(self, session: Session, st: RankStatus) -> None:
+        """Teach the batcher this job's real cost (its rank's own step time, not lock-step
+        wall time, which includes waiting for slower ranks)."""
+        job = session.get(Job, st.job_id)
+        if job is None:
+            return
+        try:
+            record_result(self.redis, prefix=self.settings.redis_prefix, job_id=job.id,
+                          model=job.model, num_tokens=job_tokens(job), num_steps=st.total,
+                          render_seconds=st.compute_seconds)
+        except RedisError:
+            log.warning("could not record the cost of job %s", job.id, exc_info=True)
+
+    def report(self, ranks: list[dict[str, Any]], state: str = "ready") -> None:
+        ranks = sorted(ranks, key=lambda r: r["rank"])
+        for r in ranks:
+            ticket = self.running.get(r["rank"])
+            r["job_id"] = ticket.job_id if ticket else None
+        report = GroupReport(id=self.group_id, name=self.config.name or self.group_id,
+                             host=self.host, model=self.config.model,
+                             mode="allgather" if self.mode == "allgather" else "rank_local",
+                             platform=self.platform_name, dp_size=self.world,
+                             world_size=self.world, state=state, ranks=ranks)
+        with self.sessions() as session:
+            self._report(session, report)
+
+    def give_back(self) -> None:
+        """On the way out: jobs still running go back to the queue (the worker stopped)."""
+        attempts = [(t.job_id, t.attempt_token) for t in self.running.values()]
+        attempts += [(job_id, st.attempt_token) for job_id, st in self.writing.items()]
+        with self.sessions() as session:
+            for job_id, token in attempts:
+                state = lifecycle.fail_job(session, job_id, token or "",
+                                      error="the worker group stopped", code="worker_stopped",
+                                      retryable=True)
+                job = session.get(Job, job_id)
+                if state is not None and state.value == "queued" and job is not None:
+                    ready.add(self.redis, self.settings.redis_prefix, [job])
+        self.running.clear()
+        self.writing.clear()
+
+
+def store_writer(store: OutputStore) -> Callable[[Any, str, int], tuple[str, str]]:
+    """The ranks' ``write``: a finished job's MP4 and thumbnail, into ``store``."""
+
+    def write(frames: Any, job_id: str, fps: int) -> tuple[str, str]:
+        with tempfile.TemporaryDirectory(prefix="kiln-out-") as tmp:
+            video, thumb = write_outputs(frames, Path(tmp) / f"{job_id}.mp4", fps=fps)
+            store.put(video_key(job_id), Path(video))
+            store.put(thumbnail_key(job_id), Path(thumb))
+        return video_key(job_id), thumbnail_key(job_id)
+
+    return write
+
+
+def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> None:
+    """Everything one rank does, from loading the model to leaving the group."""
+    platform = get_platform(device_for(config.device))
+    pipe = load_pipeline(config.model, device=platform.device,
+                         use_allgather=config.use_allgather)
+    loop = RankLoop(ctx.rank, pipe, store_writer(make_store(settings)), platform,
+                    host_memory_every_seconds=config.report_seconds)
+    coordinator = None
+    if ctx.rank == 0:
+        mode = "allgather" if config.use_allgather and ctx.world > 1 else "rank_local"
+        coordinator = Coordinator(settings, config, ctx.world, mode, platform.name)
+    run_loop(ctx.rank, ctx.world, loop, coordinator, ctx.stop)
+
+
+def run_worker(settings: Settings, config: WorkerConfig,
+               on_started: Callable[[], None] | None = None) -> int:
+    """Start the group: under torchrun this process is one rank; else spawn ``config.dp`` ranks.
+
+    Returns an exit code: 0 after a graceful stop (SIGINT or SIGTERM; a second one kills the
+    ranks), 1 if a rank died.
+    """
+    if config.dp < 1:
+        raise ValueError(f"--dp must be >= 1, got {config.dp}")
+    if under_torchrun():
+        run_this_rank(serve_rank, settings, config, device=config.device)
+        return 0
+    try:
+        run_ranks(config.dp, serve_rank, settings, config, device=config.device,
+                  on_started=on_started, timeout_s=None, graceful_stop=True,
+                  log_format="[rank {rank}] %(levelname)s %(message)s")
+    except RankFailure as exc:
+        log.error("worker group stopped: %s", exc)
+        return 1
+    return 0

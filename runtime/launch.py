@@ -1,0 +1,228 @@
+"""The one rank launcher: ``kiln render``, ``kiln worker``, the benchmarks and the multi-rank tests
+all start their ranks here.
+
+`run_ranks` spawns ``world`` local processes, one rank each, joined in one process group, and
+runs ``fn(rank_ctx, *args)`` on every one of them. Under ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` set by the launcher) `run_this_rank` runs this process as its one rank instead.
+
+Failure is all-or-nothing: a rank that raises or exits kills the others, which may be blocked in
+a collective the failed rank will never join. A ``ValueError`` on a rank (a user mistake: a size
+the model cannot render) comes back as itself, without a traceback; anything else is a
+`RankFailure` carrying the rank's traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from common.procs import die_with_parent, free_port
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+class RankFailure(RuntimeError):
+    """A rank raised (not a user mistake), exited, or the ranks ran past their deadline."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RankContext:
+    """What a rank function is given besides its own arguments."""
+
+    rank: int
+    world: int
+    device: str  # cpu | cuda | npu
+    messages: Any  # .put((kind, rank, *payload)) reaches the launcher's ``on_message``
+    stop: Any  # an Event the launcher sets when asked to stop gracefully (SIGINT / SIGTERM)
+
+
+def rank_threads(world: int) -> int:
+    """CPU threads per rank: the ranks share the machine's cores (without a limit each would
+    start one thread per core)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def device_for(device: str) -> Any:
+    """The torch device of this rank: ``LOCAL_RANK`` picks the accelerator on a node."""
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device(device, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_process_group(rank: int, world: int, device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if device != "cpu":
+        mod = torch.cuda if device == "cuda" else torch.npu  # type: ignore[attr-defined]
+        mod.set_device(device_for(device))
+    dist.init_process_group(BACKENDS[device], rank=rank, world_size=world)
+
+
+def run_this_rank(fn: Callable[..., Any], *args: Any, device: str = "cpu",
+                  stop: Any = None) -> Any:
+    """Under torchrun: this process is one rank of the group; runs ``fn`` and returns its result.
+    Messages go nowhere (there is no launcher process to read them)."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_process_group(rank, world, device)
+    try:
+        ctx = RankContext(rank=rank, world=world, device=device, messages=_Discard(), stop=stop)
+        return fn(ctx, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Discard:
+    def put(self, item: Any) -> None:
+        pass
+
+
+def _rank_entry(rank: int, world: int, port: int, device: str, threads: int,
+                log_format: str | None, fn: Callable[..., Any], args: tuple[Any, ...],
+                messages: Any, stop: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    die_with_parent()  # a rank whose launcher died must not go on (claiming jobs, holding ports)
+    # Ctrl-C reaches the whole process group; the launcher decides what it means.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    if log_format is not None:
+        logging.basicConfig(level=logging.INFO, format=log_format.format(rank=rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    try:
+        init_process_group(rank, world, device)
+        try:
+            ctx = RankContext(rank=rank, world=world, device=device, messages=messages,
+                              stop=stop)
+            result = fn(ctx, *args)
+        finally:
+            dist.destroy_process_group()
+        messages.put(("done", rank, result))
+    except ValueError as exc:  # a user mistake (a size the model cannot render): no traceback
+        messages.put(("invalid", rank, str(exc)))
+    except BaseException:  # noqa: BLE001 - reported to the launcher, which raises it
+        messages.put(("error", rank, traceback.format_exc()))
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu",
+              on_message: Callable[[str, int, tuple[Any, ...]], None] | None = None,
+              on_sample: Callable[[int], None] | None = None,
+              on_started: Callable[[], None] | None = None,
+              timeout_s: float | None = 3600.0, threads: int | None = None,
+              graceful_stop: bool = False, log_format: str | None = None) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world`` spawned ranks; their results in rank order.
+
+    ``fn`` must be importable by name; ``ctx.messages.put((kind, rank, *payload))`` reaches
+    ``on_message``. ``on_sample`` receives the summed PSS of the rank processes about every 0.1 s
+    (memory benchmarks). ``threads``: torch threads per CPU rank, `rank_threads` unless given.
+    ``timeout_s=None``: no deadline (a worker group).
+
+    ``graceful_stop``: SIGINT or SIGTERM to this process sets every rank's ``ctx.stop`` (the
+    ranks finish what they are doing and return); a second signal kills them. Without it, Ctrl-C
+    raises ``KeyboardInterrupt`` here and kills the ranks. ``log_format``: configure logging on
+    each rank (``{rank}`` is replaced by its rank).
+    """
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    messages = ctx.Queue()
+    stop = ctx.Event()
+    port = free_port()
+    threads = rank_threads(world) if threads is None else threads
+    procs = [ctx.Process(target=_rank_entry,
+                         args=(r, world, port, device, threads, log_format, fn, args, messages,
+                               stop))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    previous = {}
+    if graceful_stop:
+        def request_stop(signum: int, frame: Any) -> None:
+            if stop.is_set():  # a second signal: do not wait for the ranks
+                for p in procs:
+                    p.kill()
+            stop.set()
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT,
+                                                                       signal.SIGTERM)}
+    if on_started is not None:
+        on_started()
+    results: dict[int, Any] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RankFailure(f"ranks timed out after {timeout_s:.0f} s")
+            try:
+                kind, rank, *payload = messages.get(timeout=0.1)
+            except queue.Empty:
+                if on_sample is not None:
+                    on_sample(_summed_pss(procs))
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise _root_cause(messages) or RankFailure(
+                        f"a rank exited with code {dead[0].exitcode}") from None
+                continue
+            if kind == "done":
+                results[rank] = payload[0]
+            elif kind == "invalid":
+                raise ValueError(payload[0])
+            elif kind == "error":
+                # A rank whose partner failed fails too (its gather lost a peer): report the
+                # root cause, a user mistake on another rank, when one arrives shortly.
+                raise _root_cause(messages) or RankFailure(f"rank {rank} failed:\n{payload[0]}")
+            elif on_message is not None:
+                on_message(kind, rank, tuple(payload))
+    except BaseException:
+        # The other ranks may be blocked in a collective that the failed rank will never join.
+        for p in procs:
+            p.kill()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for p in procs:
+            p.join(timeout=30)
+    return [results[r] for r in range(world)]
+
+
+def _root_cause(messages: Any, wait_s: float = 2.0) -> ValueError | None:
+    """A user mistake reported by some rank within ``wait_s``, if any."""
+    deadline = time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            kind, _, *payload = messages.get(timeout=left)
+        except queue.Empty:
+            return None
+        if kind == "invalid":
+            return ValueError(payload[0])
+    return None
+
+
+def _summed_pss(procs: list[Any]) -> int:
+    total = 0
+    for p in procs:
+        try:
+            total += psutil.Process(p.pid).memory_full_info().pss
+        except (psutil.Error, AttributeError):
+            pass
+    return total
