@@ -1,7 +1,7 @@
 """The FastAPI application factory.
 
-At startup (and then every ``reconcile_interval_seconds``) the Redis ready index is rebuilt from
-the database, so a Redis restart or flush loses no queued job.
+At startup (and then every ``reconcile_interval_seconds``) the Redis queue index is reconciled
+with the database, so a Redis restart or flush loses no queued job.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from api.metrics import make_registry
 from api.routes import batches, dashboard, jobs, system, videos
 from api.service import QueueRoom
 from common.settings import Settings, get_settings
+from scheduler import queue_index
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, make_store
-from storage.ready import rebuild_ready_index
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,11 @@ def create_app(
     def reconcile() -> None:
         try:
             with session_factory() as session:
-                result = rebuild_ready_index(session, redis, settings.redis_prefix)
-            log.info("ready index rebuilt: %d queued, %d stale removed", result.added,
+                result = queue_index.reconcile(session, redis, settings.redis_prefix)
+            log.info("queue index reconciled: %d missing added, %d stale removed", result.added,
                      result.removed)
         except (RedisError, SQLAlchemyError):
-            log.warning("ready index rebuild failed; retrying later", exc_info=True)
+            log.warning("queue index reconciliation failed; retrying later", exc_info=True)
 
     async def reconcile_forever() -> None:
         while True:

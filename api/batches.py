@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -29,8 +29,8 @@ from api.schemas import (
 )
 from common.settings import Settings
 from storage import batches
-from storage.jobs import JobSpec
 from storage.models import Batch, Job, JobClass, JobState, User
+from storage.submission import JobSpec
 
 JSONL_TYPES = frozenset({"application/x-ndjson", "application/jsonl", "application/x-jsonlines",
                          "application/jsonlines"})
@@ -203,8 +203,7 @@ def specs_from_submission(sub: Submission, s: Settings, now: datetime) -> list[J
                 merged.update(window, **{"class": JobClass.BATCH.value})
                 spec_or_errors = _job_spec(merged, s, now)
                 if isinstance(spec_or_errors, JobSpec):
-                    spec_or_errors.batch_index = line
-                    specs.append(spec_or_errors)
+                    specs.append(replace(spec_or_errors, batch_index=line))
                     continue
                 errors = spec_or_errors
         problems += [{**e, "line": line, "loc": (

@@ -18,8 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from common.settings import Settings
 from storage import stats, workers
-from storage.jobs import MAX_PRIORITY, MIN_PRIORITY
-from storage.models import JobClass, JobState
+from storage.models import MAX_PRIORITY, MIN_PRIORITY, JobClass, JobState
 
 log = logging.getLogger(__name__)
 

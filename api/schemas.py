@@ -18,13 +18,14 @@ from pydantic import (
     ConfigDict,
     Field,
     HttpUrl,
+    Strict,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
 )
 
-from storage.jobs import MAX_PRIORITY, MAX_SEED, MIN_PRIORITY
+from storage.models import MAX_PRIORITY, MAX_SEED, MIN_PRIORITY
 
 HARD_MAX_TEXT = 100_000
 HARD_MAX_DIM = 16_384
@@ -69,22 +70,35 @@ def _small_metadata(value: dict[str, Any]) -> dict[str, Any]:
 
 Metadata = Annotated[dict[MetaKey, MetaValue], AfterValidator(_small_metadata)]
 
+# The render fields (`common.render.RenderFields`) as the request bodies take them, under their
+# names there, each with its sanity cap: declared once for `JobCreate` (JSON numbers only:
+# ``Strict``) and `VideoCreate` (which also takes a form's strings). Left out (None), a field
+# gets its model's default.
+PromptText = Annotated[Text, Field(min_length=1, max_length=HARD_MAX_TEXT)]
+NegativePromptText = Annotated[Text, Field(max_length=HARD_MAX_TEXT)]
+Dimension = Annotated[int, Field(ge=1, le=HARD_MAX_DIM)]  # width, height
+NumFrames = Annotated[int, Field(ge=1, le=100_000)]
+Fps = Annotated[int, Field(ge=1, le=1000)]
+NumInferenceSteps = Annotated[int, Field(ge=1, le=100_000)]
+GuidanceScale = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+
 
 class JobCreate(BaseModel):
     """POST /v1/jobs. Omitted fields get the deployment's defaults."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=False)
 
-    prompt: Annotated[Text, Field(min_length=1, max_length=HARD_MAX_TEXT)]
-    negative_prompt: Annotated[Text, Field(max_length=HARD_MAX_TEXT)] | None = None
+    prompt: PromptText
+    negative_prompt: NegativePromptText | None = None
     model: Annotated[Text, Field(min_length=1, max_length=100)] | None = None
-    width: Annotated[StrictInt, Field(ge=1, le=HARD_MAX_DIM)] | None = None
-    height: Annotated[StrictInt, Field(ge=1, le=HARD_MAX_DIM)] | None = None
-    num_frames: Annotated[StrictInt, Field(ge=1, le=100_000)] | None = None
-    fps: Annotated[StrictInt, Field(ge=1, le=1000)] | None = None
-    num_inference_steps: Annotated[StrictInt, Field(ge=1, le=100_000)] | None = None
-    guidance_scale: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
-    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
+    width: Annotated[Dimension, Strict()] | None = None
+    height: Annotated[Dimension, Strict()] | None = None
+    num_frames: Annotated[NumFrames, Strict()] | None = None
+    fps: Annotated[Fps, Strict()] | None = None
+    num_inference_steps: Annotated[NumInferenceSteps, Strict()] | None = None
+    guidance_scale: GuidanceScale | None = None
+    seed: Annotated[Seed, Strict()] | None = None
     priority: Annotated[StrictInt, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 5
     job_class: Literal["interactive", "batch"] = Field(default="interactive", alias="class")
     not_before: UTCInstant | None = None
@@ -126,16 +140,17 @@ class VideoCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: Annotated[Text, Field(min_length=1, max_length=HARD_MAX_TEXT)]
+    prompt: PromptText
     model: Annotated[Text, Field(min_length=1, max_length=100)] | None = None
+    # width, height and num_frames, the OpenAI way
     seconds: Annotated[str, Field(pattern=r"^[0-9]{1,4}$")] | None = None
     size: Annotated[str, Field(pattern=r"^[0-9]{1,5}x[0-9]{1,5}$")] | None = None
     # kiln extensions (the SDK's extra_body)
-    negative_prompt: Annotated[Text, Field(max_length=HARD_MAX_TEXT)] | None = None
-    fps: Annotated[int, Field(ge=1, le=1000)] | None = None
-    num_inference_steps: Annotated[int, Field(ge=1, le=100_000)] | None = None
-    guidance_scale: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    negative_prompt: NegativePromptText | None = None
+    fps: Fps | None = None
+    num_inference_steps: NumInferenceSteps | None = None
+    guidance_scale: GuidanceScale | None = None
+    seed: Seed | None = None
 
 
 class Progress(BaseModel):

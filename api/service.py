@@ -30,14 +30,13 @@ from api.schemas import (
     metadata_bytes,
 )
 from common import netguard
-from common.families import GENERIC as GENERIC_DEFAULTS
-from common.families import RequestDefaults
-from common.families import request_defaults as model_defaults
+from common.families import GENERIC, family_of
+from common.render import RequestDefaults
 from common.settings import Settings
-from scheduler import index as scheduler_index
-from storage import jobs, ready
-from storage.jobs import Created, JobSpec
+from scheduler import queue_index
+from storage import idempotency, submission
 from storage.models import Job, JobClass, JobState, User, utcnow
+from storage.submission import Created, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +60,9 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
                   frames_field: str = "num_frames") -> None:
     if spec.model not in s.models:
         p.add("model", f"unknown model {spec.model!r}; available: {', '.join(s.models)}")
+    # The deployment's rule for sizes and lengths (settings), the same for every model. A family
+    # that needs more (``common.families``: kiln-tiny, Wan and CogVideoX take multiples of 16)
+    # has its pipeline refuse the rest when the job runs.
     for field, value, bound in ((size_fields[0], spec.width, s.max_width),
                                 (size_fields[1], spec.height, s.max_height)):
         if not s.min_size <= value <= bound:
@@ -107,10 +109,10 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
 
 
 def request_defaults(s: Settings, model: str) -> RequestDefaults:
-    """What a request for ``model`` gets for the fields it leaves out: the model's own defaults
+    """What a request for ``model`` gets for the fields it leaves out: its family's defaults
     (`common.families`), with any ``KILN_DEFAULT_*`` setting on top."""
     # Only a model this API serves is looked up: the name may be a directory on this machine.
-    own = model_defaults(model) if model in s.models else GENERIC_DEFAULTS
+    own = (family_of(model) if model in s.models else GENERIC).defaults
     overrides = {f.name: getattr(s, f"default_{f.name}") for f in dataclasses.fields(own)
                  if getattr(s, f"default_{f.name}") is not None}
     return dataclasses.replace(own, **overrides) if overrides else own
@@ -119,18 +121,12 @@ def request_defaults(s: Settings, model: str) -> RequestDefaults:
 def spec_from_job_create(body: JobCreate, s: Settings, now: datetime) -> JobSpec:
     model = body.model or s.default_model
     d = request_defaults(s, model)
+    given = {f.name: getattr(body, f.name) for f in dataclasses.fields(d)}
     spec = JobSpec(
         model=model,
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
-        width=body.width if body.width is not None else d.width,
-        height=body.height if body.height is not None else d.height,
-        num_frames=body.num_frames if body.num_frames is not None else d.num_frames,
-        fps=body.fps if body.fps is not None else d.fps,
-        num_inference_steps=(body.num_inference_steps if body.num_inference_steps is not None
-                             else d.num_inference_steps),
-        guidance_scale=(body.guidance_scale if body.guidance_scale is not None
-                        else d.guidance_scale),
+        **{name: getattr(d, name) if value is None else value for name, value in given.items()},
         seed=body.seed,
         job_class=JobClass(body.job_class),
         priority=body.priority,
@@ -226,12 +222,12 @@ def submit(
     session: Session, redis: Redis, s: Settings, user: User, spec: JobSpec, *,
     request_hash: str, idempotency_key: str | None, room: QueueRoom | None = None,
 ) -> tuple[Created, int | None]:
-    """Stores the job, commits, and only then adds it to the Redis ready index. Returns the
+    """Stores the job, commits, and only then adds it to the Redis queue index. Returns the
     job and, for a new one, its queue position (None when Redis could not say). ``room``: when
     to count the user's queued jobs (None: every time)."""
     count = room is None or room.must_count(user.id)
     with creation_errors_as_http(s):
-        created = jobs.create_job(
+        created = submission.create_job(
             session, user, spec, request_hash=request_hash, idempotency_key=idempotency_key,
             max_attempts=s.max_attempts, max_queued=s.max_queued_jobs_per_user if count else None,
         )
@@ -240,18 +236,18 @@ def submit(
     if not created.created:
         return created, None
     try:
-        return created, ready.add_one(redis, s.redis_prefix, created.job)
+        return created, queue_index.add_one(redis, s.redis_prefix, created.job)
     except RedisError:
         _not_indexed([created.job])
         return created, None
 
 
 def dispatch(redis: Redis, s: Settings, new_jobs: list[Job]) -> None:
-    """Adds committed queued jobs to the Redis ready index (call only after the commit)."""
+    """Adds committed queued jobs to the Redis queue index (call only after the commit)."""
     if not new_jobs:
         return
     try:
-        ready.add(redis, s.redis_prefix, new_jobs)
+        queue_index.add(redis, s.redis_prefix, new_jobs)
     except RedisError:
         _not_indexed(new_jobs)
 
@@ -279,9 +275,9 @@ def creation_errors_as_http(s: Settings) -> Iterator[None]:
     """What creating jobs can refuse, as the HTTP answers the API gives for it."""
     try:
         yield
-    except jobs.IdempotencyConflict as exc:
+    except idempotency.IdempotencyConflict as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
-    except jobs.QueueFull as exc:
+    except submission.QueueFull as exc:
         raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc),
                             headers={"Retry-After": str(s.queue_full_retry_after_seconds)}
                             ) from exc
@@ -289,11 +285,10 @@ def creation_errors_as_http(s: Settings) -> Iterator[None]:
 
 def unindex(redis: Redis, s: Settings, job: Job) -> None:
     try:
-        ready.remove(redis, s.redis_prefix, job)
-        scheduler_index.remove(redis, s.redis_prefix, [job.id])
+        queue_index.remove(redis, s.redis_prefix, [job.id])
     except RedisError:
         # A stale entry is harmless: the batcher's claim refuses a job that is not queued.
-        log.warning("Redis unavailable; stale ready entry for %s left behind", job.id)
+        log.warning("Redis unavailable; stale queue index entry for %s left behind", job.id)
 
 
 def _error(job: Job) -> JobError | None:
@@ -305,6 +300,8 @@ def _error(job: Job) -> JobError | None:
 
 def job_public(job: Job, *, queue_position: int | None = None,
                owner: str | None = None) -> JobPublic:
+    # The step count (num_inference_steps) as the progress report recorded it: the row's
+    # progress_total column, public as total_steps.
     total = job.progress_total or job.num_inference_steps
     step = total if job.state == JobState.SUCCEEDED else min(job.progress_step, total)
     done = job.state == JobState.SUCCEEDED

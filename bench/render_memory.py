@@ -29,7 +29,7 @@ from runtime.render import render  # noqa: E402
 
 def _peak_render(model: str, dp: int, steps: int, out: str) -> tuple[int, list]:
     samples: list[int] = []
-    request = VideoRequest(prompt="a red circle moving left", num_steps=steps)
+    request = VideoRequest(prompt="a red circle moving left", num_inference_steps=steps, fps=16)
     reports = render(model, [request], out, dp=dp, on_sample=samples.append)
     return max(samples, default=0), reports
 

@@ -1,15 +1,15 @@
 """One claim at scale: ``claim_for_group`` (the policy's ``schedule`` plus the atomic claim) with
 100,000 queued jobs from 100 users, on a real database and Redis.
 
-The queue is written in bulk (rows straight into ``jobs``, then ``storage.ready.add`` as the API
-would), skewed like real use: user k holds a share of the jobs proportional to 1/(k+1), so the
-heaviest user has ~19,000 and the lightest ~190; 80% batch, 20% interactive, priorities 0-9,
+The queue is written in bulk (rows straight into ``jobs``, then ``scheduler.queue_index.add`` as
+the API would), skewed like real use: user k holds a share of the jobs proportional to 1/(k+1),
+so the heaviest user has ~19,000 and the lightest ~190; 80% batch, 20% interactive, priorities 0-9,
 two sizes, steps from {4, 8, 16}, a few with a future ``not_before`` or a deadline. Then a dp=2
 group claims for one free rank at a time (what a step boundary usually frees), finishing each job
 it gets (``finish_succeeded`` and ``scheduler.claim.record_result``), while a few new jobs
-arrive every ten claims. Printed: the time of the first call (which builds the batcher's index
-from the database), the median / p90 / p99 time of one call afterwards, and the Redis index (keys,
-bytes, entries against queued jobs in the database) before and after.
+arrive every ten claims. Printed: the time of the first call (which reconciles the index with
+the database, as on a fresh Redis), the median / p90 / p99 time of one call afterwards, and the
+Redis index (keys, bytes, entries against queued jobs in the database) before and after.
 
     python bench/scheduler_claim.py [--jobs 100000] [--users 100] [--claims 500]
         [--backend postgresql|sqlite] [--database-url URL] [--redis-url URL]
@@ -36,13 +36,12 @@ from sqlalchemy import create_engine, func, insert, make_url, select, text  # no
 
 import migrations  # noqa: E402
 import scheduler.claim  # noqa: E402
-from scheduler import index  # noqa: E402
+from scheduler import queue_index  # noqa: E402
 from scheduler.claim import claim_for_group, job_tokens, record_result  # noqa: E402
-from storage import jobs as job_repo  # noqa: E402
-from storage import ready  # noqa: E402
+from storage import lifecycle, submission  # noqa: E402
 from storage.db import make_engine, make_session_factory  # noqa: E402
-from storage.jobs import JobSpec, new_job_id  # noqa: E402
 from storage.models import Job, JobState, User  # noqa: E402
+from storage.submission import JobSpec, new_job_id  # noqa: E402
 
 POSTGRES_URL = os.environ.get("KILN_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -79,28 +78,26 @@ def fill(session_factory, r: redis.Redis, prefix: str, num_jobs: int, num_users:
         s.commit()
         for start in range(0, num_jobs, 5000):
             ids = [row["id"] for row in rows[start:start + 5000]]
-            ready.add(r, prefix, s.scalars(select(Job).where(Job.id.in_(ids))))
+            queue_index.add(r, prefix, s.scalars(select(Job).where(Job.id.in_(ids))))
         s.rollback()
 
 
 def index_report(r: redis.Redis, prefix: str, session_factory) -> str:
-    keys = index.index_keys(r, prefix)
-    new = r.llen(ready.new_key(prefix))
-    ready_bytes = index.memory_bytes(r, ready.ready_keys(prefix))
-    entries = r.hlen(index.jobs_key(prefix))
+    keys = queue_index.index_keys(r, prefix)
+    ready_bytes = queue_index.memory_bytes(r, queue_index.ready_keys(prefix))
+    entries = r.hlen(queue_index.jobs_key(prefix))
     with session_factory() as s:
         queued = s.scalar(select(func.count()).select_from(Job).where(
             Job.state == JobState.QUEUED))
-    sched_bytes = index.memory_bytes(r, keys)
+    sched_bytes = queue_index.memory_bytes(r, keys)
     per_job = sched_bytes / entries if entries else 0.0
     return (f"batcher index: {len(keys)} keys, {sched_bytes / 2**20:.1f} MiB "
             f"({per_job:.0f} B per entry), {entries} entries for {queued} queued jobs in the "
-            f"database; {new} ids not yet ingested; storage's ready keys: "
-            f"{ready_bytes / 2**20:.1f} MiB")
+            f"database; serving-order keys (ready:*): {ready_bytes / 2**20:.1f} MiB")
 
 
 class TimedClaims:
-    """Wraps storage.jobs.claim_job as the claim path sees it, to split a call's time into the
+    """Wraps storage.lifecycle.claim_job as the claim path sees it, to split a call's time into the
     database transition and the rest (Redis and the policy)."""
 
     def __init__(self) -> None:
@@ -142,24 +139,25 @@ def run(url: str, r: redis.Redis, args: argparse.Namespace) -> None:
                 elapsed = time.perf_counter() - t
                 if first is None:
                     first = elapsed
-                    print(f"first call (builds the index from the database): {first:.2f} s")
+                    print(f"first call (reconciles the index with the database): "
+                          f"{first:.2f} s")
                     print("  " + index_report(r, prefix, factory))
                 else:
                     times.append(elapsed)
                     db_times.append(timed.seconds)
                 for _, c in claims:  # the rank renders it at once and finishes
-                    job_repo.finish_succeeded(s, c.job.id, c.attempt_token, video_key="v")
+                    lifecycle.finish_succeeded(s, c.job.id, c.attempt_token, video_key="v")
                     record_result(r, prefix=prefix, job_id=c.job.id, model=MODEL,
                                   num_tokens=job_tokens(c.job),
                                   num_steps=c.job.num_inference_steps,
                                   render_seconds=0.05 * c.job.num_inference_steps)
                 if i % 10 == 0:  # submissions keep arriving through the API path
                     for _ in range(5):
-                        created = job_repo.create_job(
+                        created = submission.create_job(
                             s, owner, JobSpec(model=MODEL, prompt="new", width=128, height=128,
                                               num_frames=9, fps=8, num_inference_steps=8,
                                               guidance_scale=5.0), request_hash="b").job
-                        ready.add(r, prefix, [created])
+                        queue_index.add(r, prefix, [created])
         q = statistics.quantiles(times, n=100)
         print(f"one claim_for_group (schedule + claim, 1 free rank) over {len(times)} calls: "
               f"median {statistics.median(times) * 1e3:.2f} ms, p90 {q[89] * 1e3:.2f} ms, "
@@ -178,9 +176,9 @@ def run(url: str, r: redis.Redis, args: argparse.Namespace) -> None:
               f"{statistics.median(floor) * 1e3:.2f} ms")
         print("  " + index_report(r, prefix, factory))
         with factory() as s:
-            rec = index.reconcile(s, r, prefix)
-        print(f"  reconcile afterwards: {rec.added} queued jobs were missing from the index "
-              f"(submitted after the last claim, not yet ingested), {rec.removed} stale entries")
+            rec = queue_index.reconcile(s, r, prefix)
+        print(f"  reconcile afterwards: {rec.added} queued jobs were missing from the index, "
+              f"{rec.removed} stale entries")
     finally:
         keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
         for start in range(0, len(keys), 1000):

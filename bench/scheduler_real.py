@@ -37,11 +37,11 @@ import redis  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 
 import migrations  # noqa: E402
-from storage import jobs as job_repo  # noqa: E402
-from storage import ready  # noqa: E402
+from scheduler import queue_index  # noqa: E402
+from storage import submission  # noqa: E402
 from storage.db import make_engine, make_session_factory  # noqa: E402
-from storage.jobs import JobSpec  # noqa: E402
 from storage.models import Job, JobState  # noqa: E402
+from storage.submission import JobSpec  # noqa: E402
 from storage.users import get_or_create_user  # noqa: E402
 
 KILN = str(Path(sys.executable).with_name("kiln"))
@@ -75,8 +75,8 @@ def run(mode: str, jobs: list[JobSpec], tmp: Path, r: redis.Redis) -> tuple[floa
             owner = get_or_create_user(s, "bench")
             s.commit()
             for spec in batch:
-                job = job_repo.create_job(s, owner, spec, request_hash="b").job
-                ready.add(r, prefix, [job])
+                job = submission.create_job(s, owner, spec, request_hash="b").job
+                queue_index.add(r, prefix, [job])
                 ids.append(job.id)
 
     def finished(job_ids: list[str]) -> bool:

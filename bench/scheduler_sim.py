@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common.families import family_of  # noqa: E402
 from scheduler.cost import CostModel, tokens  # noqa: E402
 from scheduler.policy import (  # noqa: E402
     BATCH,
@@ -49,6 +50,7 @@ from scheduler.policy import (  # noqa: E402
 )
 
 MODEL = "kiln-tiny"
+FAMILY = family_of(MODEL)
 STEPS = (4, 8, 16)
 
 
@@ -102,7 +104,7 @@ def measure(sizes: list[Size], num_steps: int) -> tuple[dict[Size, Timing], floa
     for size in sizes:
         request = VideoRequest(prompt="a red circle moving left", width=size.width,
                                height=size.height, num_frames=size.num_frames,
-                               num_steps=num_steps + 1)
+                               num_inference_steps=num_steps + 1)
         start = time.perf_counter()
         state = pipe.prepare(request)
         prepare = time.perf_counter() - start
@@ -162,7 +164,8 @@ def simulate_kiln(jobs: list[SimJob], dp: int, timing: dict[Size, Timing], idle:
     costs = CostModel()
     for size, tm in timing.items():  # the history a running service would have learned
         for _ in range(3):
-            costs.observe(MODEL, tokens(size.width, size.height, size.num_frames), tm.step)
+            costs.observe(MODEL, tokens(size.width, size.height, size.num_frames, family=FAMILY),
+                          tm.step)
     policy = Policy(config, costs)
     by_id = {j.job_id: j for j in jobs}
     ranks: list[list | None] = [None] * dp  # [job, steps left]
@@ -175,7 +178,7 @@ def simulate_kiln(jobs: list[SimJob], dp: int, timing: dict[Size, Timing], idle:
             policy.add(QueuedJob(job_id=j.job_id, owner=j.owner, model=MODEL, job_class=BATCH,
                                  priority=5, due=j.arrival,
                                  num_tokens=tokens(j.size.width, j.size.height,
-                                                   j.size.num_frames),
+                                                   j.size.num_frames, family=FAMILY),
                                  num_steps=j.num_steps))
             i += 1
         boundary = list(pending_decode)
@@ -206,7 +209,8 @@ def simulate_kiln(jobs: list[SimJob], dp: int, timing: dict[Size, Timing], idle:
                 pending_decode[r] = timing[job.size].decode
                 policy.update_from_output([JobResult(
                     job_id=job.job_id, model=MODEL,
-                    num_tokens=tokens(job.size.width, job.size.height, job.size.num_frames),
+                    num_tokens=tokens(job.size.width, job.size.height, job.size.num_frames,
+                                      family=FAMILY),
                     num_steps=job.num_steps,
                     render_seconds=job.num_steps * timing[job.size].step)])
                 ranks[r] = None
@@ -240,7 +244,8 @@ def main() -> None:
           "(CPU, 1 thread):")
     timing, idle = measure(args.sizes, args.measure_steps)
     for size, tm in timing.items():
-        print(f"  {size!s:>14} ({tokens(size.width, size.height, size.num_frames):5d} tokens): "
+        num_tokens = tokens(size.width, size.height, size.num_frames, family=FAMILY)
+        print(f"  {size!s:>14} ({num_tokens:5d} tokens): "
               f"prepare {tm.prepare * 1e3:7.1f} ms, step {tm.step * 1e3:7.1f} ms, "
               f"decode {tm.decode * 1e3:7.1f} ms")
     print(f"  {'idle rank':>14}: step {idle * 1e3:7.1f} ms (gathers only)")

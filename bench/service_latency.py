@@ -159,7 +159,8 @@ def bare_compute_seconds(body: dict[str, Any], dp: int, repeats: int = 5) -> flo
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp))
     pipe = load_pipeline("kiln-tiny")
     request = VideoRequest(prompt=body["prompt"], width=body["width"], height=body["height"],
-                           num_frames=body["num_frames"], num_steps=body["num_inference_steps"],
+                           num_frames=body["num_frames"],
+                           num_inference_steps=body["num_inference_steps"],
                            seed=1)
     times = []
     try:

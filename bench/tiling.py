@@ -39,7 +39,8 @@ def measure_one(width: int, height: int, num_frames: int, free_bytes: int | None
     pipe.decode_free_bytes = free_bytes
     # The latents are the initial noise: decode memory does not depend on their values.
     state = pipe.prepare(VideoRequest(prompt="a red circle moving left", width=width,
-                                      height=height, num_frames=num_frames, num_steps=1))
+                                      height=height, num_frames=num_frames,
+                                      num_inference_steps=1))
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     frames = pipe.decode(state)

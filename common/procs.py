@@ -3,6 +3,7 @@ by the tests and benchmarks that start them."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -24,8 +25,6 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     keep claiming jobs, a private Redis would keep its port.
     """
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL(None).prctl(1, int(sig))  # PR_SET_PDEATHSIG
 
 

@@ -1,4 +1,4 @@
-"""Celery side work on kiln's Redis: webhooks, the lease reaper, ready-index reconciliation and
+"""Celery side work on kiln's Redis: webhooks, the lease reaper, queue-index reconciliation and
 output retention, with the beat schedule that runs the periodic ones.
 
 Tasks are thin adapters. Each takes ids, re-reads the rows, checks their state and is safe to run
@@ -29,14 +29,15 @@ from typing import Any
 
 import httpx
 from celery import Celery, Task
-from redis import Redis, RedisError
+from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from common import netguard
 from common.settings import Settings, get_settings
 from kiln import signing
-from scheduler import index as scheduler_index
-from storage import jobs, ready, retention, webhooks
+from scheduler import queue_index
+from scheduler.attempts import settle
+from storage import lifecycle, retention, webhooks
 from storage.db import make_engine, make_session_factory
 from storage.models import Job, JobState, utcnow
 from storage.outputs import OutputStore, make_store
@@ -286,26 +287,22 @@ class Reaping:
 
 
 def reap_leases(ctx: Context, *, now: datetime | None = None) -> Reaping:
-    """`storage.jobs.reap`, then the requeued jobs back into the ready index."""
+    """`storage.lifecycle.reap`, then `scheduler.attempts.settle`: the requeued jobs back into
+    the queue index. The finished ones with a webhook are returned in ``notify`` (the task
+    enqueues their deliveries)."""
     with ctx.sessions() as session:
-        out = jobs.reap(session, now=now)
-        try:
-            ready.add(ctx.redis, ctx.settings.redis_prefix, out.requeued)
-        except RedisError:
-            # The rows are queued already; the next reconciliation puts them in the index.
-            log.warning("Redis unavailable; %d requeued jobs wait for reconciliation",
-                        len(out.requeued), exc_info=True)
+        out = lifecycle.reap(session, now=now)
+        settle(session, ctx.redis, ctx.settings.redis_prefix, requeued=out.requeued,
+               finished=[])
         notify = webhooks.has_webhook(session, out.dead + out.cancelled + out.expired)
     return Reaping(requeued=[j.id for j in out.requeued], dead=out.dead,
                    cancelled=out.cancelled, expired=out.expired, notify=notify)
 
 
-def reconcile(ctx: Context) -> ready.Rebuilt:
-    """Both Redis views of the queue from the database: the ready index and the batcher's."""
+def reconcile(ctx: Context) -> queue_index.Reconciled:
+    """The Redis queue index from the database (`scheduler.queue_index.reconcile`)."""
     with ctx.sessions() as session:
-        rebuilt = ready.rebuild_ready_index(session, ctx.redis, ctx.settings.redis_prefix)
-        scheduler_index.reconcile(session, ctx.redis, ctx.settings.redis_prefix)
-        return rebuilt
+        return queue_index.reconcile(session, ctx.redis, ctx.settings.redis_prefix)
 
 
 def clean_up(ctx: Context, *, now: datetime | None = None) -> list[str]:

@@ -47,11 +47,13 @@ from runtime.pipelines.base import VideoRequest
 from runtime.platform import get_platform
 from runtime.rank_loop import RankLoop, RankStatus, StepPlan, Ticket, run_loop
 from runtime.render import load_pipeline
+from scheduler import queue_index
+from scheduler.attempts import Ending, finish_attempt
 from scheduler.claim import claim_for_group, job_tokens, record_result
 from scheduler.policy import RunningJob
-from storage import lifecycle, ready
+from storage import lifecycle
 from storage.db import make_engine, make_session_factory
-from storage.models import Job
+from storage.models import Job, JobState
 from storage.outputs import OutputStore, make_store, thumbnail_key, video_key
 from storage.video import write_outputs
 from storage.workers import GroupReport, report_group
@@ -149,7 +151,8 @@ class Coordinator:
     def _wait_for_work(self) -> None:
         """Up to ``poll_seconds``, cut short when a submission announces work in Redis."""
         try:
-            ready.wait_for_work(self.redis, self.settings.redis_prefix, self.config.poll_seconds)
+            queue_index.wait_for_work(self.redis, self.settings.redis_prefix,
+                                      self.config.poll_seconds)
         except RedisError:
             time.sleep(self.config.poll_seconds)  # the claim that follows reports the outage
 
@@ -165,13 +168,8 @@ class Coordinator:
         tickets = {}
         for rank, claim in claims:
             job = claim.job
-            request = VideoRequest(
-                prompt=job.prompt, negative_prompt=job.negative_prompt or "", width=job.width,
-                height=job.height, num_frames=job.num_frames,
-                num_steps=job.num_inference_steps, seed=job.seed,
-                guidance_scale=job.guidance_scale)
             tickets[rank] = Ticket(job_id=job.id, attempt_token=claim.attempt_token,
-                                   request=request, fps=job.fps)
+                                   request=VideoRequest.of(job))
             self.steps_left[rank] = job.num_inference_steps
         return tickets
 
@@ -183,9 +181,11 @@ class Coordinator:
                 if st.job_id is None or st.attempt_token is None:
                     continue
                 if st.outcome is None:
-                    self.steps_left[st.rank] = st.total - st.step
-                    beat = lifecycle.heartbeat(session, st.job_id, st.attempt_token, step=st.step,
-                                          total=st.total, lease_seconds=lease)
+                    self.steps_left[st.rank] = st.num_inference_steps - st.step
+                    beat = lifecycle.heartbeat(session, st.job_id, st.attempt_token,
+                                               step=st.step,
+                                               num_inference_steps=st.num_inference_steps,
+                                               lease_seconds=lease)
                     if beat is None:
                         self.cancels[st.rank] = "the lease of this attempt was lost"
                     elif beat.cancel_requested:
@@ -206,24 +206,17 @@ class Coordinator:
 
     def _finish(self, session: Session, st: RankStatus) -> None:
         assert st.job_id is not None and st.attempt_token is not None
-        if st.outcome == "succeeded":
-            assert st.video_key is not None
-            if lifecycle.finish_succeeded(session, st.job_id, st.attempt_token,
-                                     video_key=st.video_key, thumbnail_key=st.thumbnail_key):
-                self._learn_cost(session, st)
-        elif st.outcome == "cancelled":
-            if not lifecycle.finish_cancelled(session, st.job_id, st.attempt_token):
-                log.info("job %s: dropped (%s)", st.job_id, st.error)
-        else:
-            state = lifecycle.fail_job(session, st.job_id, st.attempt_token,
-                                  error=st.error or "render failed", retryable=st.retryable)
-            if state is not None and state.value == "queued":
-                job = session.get(Job, st.job_id)
-                if job is not None:
-                    ready.add(self.redis, self.settings.redis_prefix, [job])
-        # After the commit: its webhook goes out now rather than at the next sweep (best effort;
-        # this never raises, and does nothing for a job that is not finished or has no webhook).
-        self.notify(session, st.job_id)
+        # The webhook goes out after the commit rather than at the next sweep (best effort:
+        # ``notify`` never raises).
+        state = finish_attempt(
+            session, self.redis, self.settings.redis_prefix, st.job_id, st.attempt_token,
+            Ending(outcome=st.outcome, video_key=st.video_key,  # type: ignore[arg-type]
+                   thumbnail_key=st.thumbnail_key, error=st.error, retryable=st.retryable),
+            notify=self.notify)
+        if state == JobState.SUCCEEDED:
+            self._learn_cost(session, st)
+        elif state is None:
+            log.info("job %s: dropped (%s)", st.job_id, st.error or st.outcome)
 
     def _learn_cost(self, session: Session, st: RankStatus) -> None:
         """Teach the batcher this job's real cost (its rank's own step time, not lock-step
@@ -233,7 +226,8 @@ class Coordinator:
             return
         try:
             record_result(self.redis, prefix=self.settings.redis_prefix, job_id=job.id,
-                          model=job.model, num_tokens=job_tokens(job), num_steps=st.total,
+                          model=job.model, num_tokens=job_tokens(job),
+                          num_steps=st.num_inference_steps,
                           render_seconds=st.compute_seconds)
         except RedisError:
             log.warning("could not record the cost of job %s", job.id, exc_info=True)
@@ -253,16 +247,14 @@ class Coordinator:
 
     def give_back(self) -> None:
         """On the way out: jobs still running go back to the queue (the worker stopped)."""
+        stopped = Ending(outcome="failed", error="the worker group stopped",
+                         code="worker_stopped", retryable=True)
         attempts = [(t.job_id, t.attempt_token) for t in self.running.values()]
         attempts += [(job_id, st.attempt_token) for job_id, st in self.writing.items()]
         with self.sessions() as session:
             for job_id, token in attempts:
-                state = lifecycle.fail_job(session, job_id, token or "",
-                                      error="the worker group stopped", code="worker_stopped",
-                                      retryable=True)
-                job = session.get(Job, job_id)
-                if state is not None and state.value == "queued" and job is not None:
-                    ready.add(self.redis, self.settings.redis_prefix, [job])
+                finish_attempt(session, self.redis, self.settings.redis_prefix, job_id,
+                               token or "", stopped, notify=self.notify)
         self.running.clear()
         self.writing.clear()
 

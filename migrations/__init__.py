@@ -9,6 +9,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 from sqlalchemy import Connection
 
 HERE = Path(__file__).resolve().parent
@@ -35,6 +36,4 @@ def downgrade(url: str | None = None, revision: str = "-1") -> None:
 
 
 def current_heads() -> tuple[str, ...]:
-    from alembic.script import ScriptDirectory
-
     return tuple(ScriptDirectory.from_config(alembic_config()).get_heads())

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
 
 from common.procs import die_with_parent, free_port
 
@@ -57,17 +60,12 @@ def under_torchrun() -> bool:
 
 def device_for(device: str) -> Any:
     """The torch device of this rank: ``LOCAL_RANK`` picks the accelerator on a node."""
-    import torch
-
     if device == "cpu":
         return torch.device("cpu")
     return torch.device(device, int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def init_process_group(rank: int, world: int, device: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     if device != "cpu":
         mod = torch.cuda if device == "cuda" else torch.npu  # type: ignore[attr-defined]
         mod.set_device(device_for(device))
@@ -78,8 +76,6 @@ def run_this_rank(fn: Callable[..., Any], *args: Any, device: str = "cpu",
                   stop: Any = None) -> Any:
     """Under torchrun: this process is one rank of the group; runs ``fn`` and returns its result.
     Messages go nowhere (there is no launcher process to read them)."""
-    import torch.distributed as dist
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     init_process_group(rank, world, device)
     try:
@@ -97,9 +93,6 @@ class _Discard:
 def _rank_entry(rank: int, world: int, port: int, device: str, threads: int,
                 log_format: str | None, fn: Callable[..., Any], args: tuple[Any, ...],
                 messages: Any, stop: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
     die_with_parent()  # a rank whose launcher died must not go on (claiming jobs, holding ports)
     # Ctrl-C reaches the whole process group; the launcher decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -141,9 +134,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
     raises ``KeyboardInterrupt`` here and kills the ranks. ``log_format``: configure logging on
     each rank (``{rank}`` is replaced by its rank).
     """
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
+    ctx = torch_mp.get_context("spawn")
     messages = ctx.Queue()
     stop = ctx.Event()
     port = free_port()

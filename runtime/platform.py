@@ -155,6 +155,7 @@ class NpuPlatform(CudaPlatform):
     backend = "hccl"
 
     def __init__(self, device: torch.device | None = None) -> None:
+        # Here, not at the top: an optional package, present only on Ascend machines.
         import torch_npu  # noqa: F401  (registers torch.npu)
 
         if device is None or device.index is None:
@@ -174,7 +175,7 @@ class NpuPlatform(CudaPlatform):
 
 
 def npu_available() -> bool:
-    try:
+    try:  # an optional package, present only on Ascend machines
         import torch_npu  # noqa: F401
     except ImportError:
         return False

@@ -41,12 +41,12 @@ WriteOutputs = Callable[[Any, str, int], tuple[str, str]]
 
 @dataclass(kw_only=True, slots=True)
 class Ticket:
-    """A claimed job as a rank needs it: the request and the attempt it belongs to."""
+    """A claimed job as a rank needs it: the request (its render fields, the frame rate to write
+    included) and the attempt it belongs to."""
 
     job_id: str
     attempt_token: str
     request: VideoRequest
-    fps: int
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,8 +66,8 @@ class RankStatus:
     rank: int
     job_id: str | None = None
     attempt_token: str | None = None
-    step: int = 0
-    total: int = 0
+    step: int = 0  # steps done
+    num_inference_steps: int = 0  # the job's step count
     # None (still running) | "rendered" (the rank is free; the job's files are being written,
     # its final status follows) | "succeeded" | "failed" | "cancelled"
     outcome: str | None = None
@@ -154,7 +154,7 @@ class RankLoop:
             log.exception("rank %d: writing outputs of job %s failed", self.rank, self._job_id())
             return self._end(outcome="failed", error=f"writing the video failed: {exc}",
                              retryable=True)
-        job_id, fps = self.ticket.job_id, self.ticket.fps
+        job_id, fps = self.ticket.job_id, self.ticket.request.fps
         final = self._end(outcome="succeeded")
         self._writing.append((final, self._writer.submit(self.write, frames, job_id, fps)))
         return replace(final, outcome="rendered")
@@ -195,7 +195,8 @@ class RankLoop:
         t, s = self.ticket, self.state
         return RankStatus(rank=self.rank, job_id=t.job_id if t else None,
                           attempt_token=t.attempt_token if t else None,
-                          step=s.step_index if s else 0, total=s.num_steps if s else 0,
+                          step=s.step_index if s else 0,
+                          num_inference_steps=s.num_inference_steps if s else 0,
                           compute_seconds=self.compute_seconds, **kwargs)
 
     def progress(self) -> RankStatus:

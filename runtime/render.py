@@ -19,10 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 
-from common.families import TINY_MODEL
+from common.families import TINY, TINY_MODEL, family_of
 from runtime.launch import RankContext, run_ranks
 from runtime.pipelines.base import VideoPipeline, VideoRequest
+from runtime.pipelines.tiny import TinyPipeline
+from runtime.tiling import map_tiles, plan_tiles
+from storage.video import float_to_uint8, write_outputs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,17 +44,18 @@ class RankReport:
 
 def load_pipeline(model: str, *, group: Any = None, device: Any = None,
                   use_allgather: bool = True) -> VideoPipeline:
-    """``kiln-tiny`` or a local diffusers-format model directory, transformer under DLO."""
-    if model == TINY_MODEL:
-        from runtime.pipelines.tiny import TinyPipeline
-
+    """``kiln-tiny`` or a local diffusers-format model directory, transformer under DLO, in the
+    pipeline of its family (``common.families``)."""
+    if family_of(model) is TINY:
         return TinyPipeline.load(group=group, device=device, use_allgather=use_allgather)
     path = Path(model)
     if not (path / "model_index.json").is_file():
         raise ValueError(f"--model must be {TINY_MODEL!r} or a diffusers model directory (with a "
                          f"model_index.json); {model!r} is neither")
+    # Here, not at the top: a kiln-tiny process never loads diffusers and transformers.
     from runtime.pipelines.diffusers_video import DiffusersVideoPipeline
 
+    # The loop its family names, or a ValueError saying which pipelines kiln drives.
     return DiffusersVideoPipeline.load(path, group=group, device=device,
                                        use_allgather=use_allgather)
 
@@ -81,18 +86,14 @@ def memory_figures() -> tuple[int, int, int]:
 
 
 def frames_to_uint8(frames: Any, *, free_bytes: int | None = None) -> Any:
-    """[N, H, W, 3] float frames in [0, 1] -> uint8, in tiles of frames sized by free memory
-    (clip, scale and round each make a float copy of whatever they are given)."""
-    import torch
-
-    from runtime.tiling import map_tiles, plan_tiles
-
+    """[N, H, W, 3] float frames in [0, 1] -> uint8 (`storage.video.float_to_uint8`) on their
+    device, in tiles of frames sized by free memory (clip, scale and round each make a float
+    copy of whatever they are given)."""
     n, h, w, c = frames.shape
     plan = plan_tiles(n, 3 * h * w * c * frames.element_size(), free_bytes=free_bytes,
                       device=frames.device)
     out = torch.empty((n, h, w, c), dtype=torch.uint8, device=frames.device)
-    # Same rounding as diffusers' numpy_to_pil (x * 255, round half to even).
-    return map_tiles(lambda f: (f.clamp(0, 1) * 255).round().to(torch.uint8), frames, out, plan)
+    return map_tiles(float_to_uint8, frames, out, plan)
 
 
 def run_lockstep(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
@@ -101,24 +102,23 @@ def run_lockstep(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
     the others; idle steps until the longest request is done. Returns the decoded float frames,
     or None on a rank without a request."""
     request = requests[rank] if rank < len(requests) else None
-    num_steps = max(r.num_steps for r in requests)
+    num_inference_steps = max(r.num_inference_steps for r in requests)
     state = pipe.prepare(request) if request is not None else None
-    for i in range(num_steps):
+    for i in range(num_inference_steps):
         if state is not None and not state.done:
             pipe.step(state)
         else:
             pipe.idle_step()
         if on_step is not None:
-            on_step(i + 1, num_steps)
+            on_step(i + 1, num_inference_steps)
     return pipe.decode(state) if state is not None else None
 
 
 def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], out: str,
-                on_step: Callable[[int, int], None] | None = None, *, fps: int = 16,
+                on_step: Callable[[int, int], None] | None = None, *,
                 started: float | None = None) -> RankReport:
-    """This rank's share of a lock-step render: its request (if any), idle steps otherwise."""
-    from storage.video import write_outputs
-
+    """This rank's share of a lock-step render: its request (if any), written at its ``fps``;
+    idle steps otherwise."""
     started = time.perf_counter() if started is None else started
     decoded = run_lockstep(pipe, rank, requests, on_step)
     video = thumb = None
@@ -126,7 +126,7 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
     if decoded is not None:
         frames = frames_to_uint8(decoded).cpu().numpy()
         num_frames = int(frames.shape[0])
-        video, thumb = write_outputs(frames, output_path(out, rank), fps=fps)
+        video, thumb = write_outputs(frames, output_path(out, rank), fps=requests[rank].fps)
     peak, pss, private = memory_figures()
     dlo = next((h.stats() for h in pipe.handles if h is not None), {})
     return RankReport(rank=rank, out=str(video) if video else None,
@@ -136,13 +136,13 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
 
 
 def _render_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest], out: str,
-                    fps: int, use_allgather: bool) -> RankReport:
+                    use_allgather: bool) -> RankReport:
     started = time.perf_counter()
     pipe = load_pipeline(model, device="cpu", use_allgather=use_allgather)  # gloo ranks
     try:
         step_cb = ((lambda i, n: ctx.messages.put(("step", ctx.rank, i, n)))
                    if ctx.rank == 0 else None)
-        return render_rank(pipe, ctx.rank, requests, out, step_cb, fps=fps, started=started)
+        return render_rank(pipe, ctx.rank, requests, out, step_cb, started=started)
     finally:
         pipe.close()
 
@@ -186,7 +186,7 @@ def generate_in_rounds(model: str, requests: list[VideoRequest], dp: int, *,
 
 
 def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str], *,
-           dp: int = 1, fps: int = 16, use_allgather: bool = True,
+           dp: int = 1, use_allgather: bool = True,
            on_step: Callable[[int, int], None] | None = None,
            on_sample: Callable[[int], None] | None = None,
            timeout_s: float = 3600.0) -> list[RankReport]:
@@ -202,7 +202,7 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
     if dp == 1:
         pipe = load_pipeline(model, use_allgather=use_allgather)
         try:
-            return [render_rank(pipe, 0, requests, out, on_step, fps=fps)]
+            return [render_rank(pipe, 0, requests, out, on_step)]
         finally:
             pipe.close()
 
@@ -210,5 +210,5 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
         if kind == "step" and on_step is not None:
             on_step(*payload)
 
-    return run_ranks(dp, _render_on_rank, model, requests, out, fps, use_allgather,
+    return run_ranks(dp, _render_on_rank, model, requests, out, use_allgather,
                      on_message=on_message, on_sample=on_sample, timeout_s=timeout_s)

@@ -1,5 +1,5 @@
 """The DP-aware batcher: a pure policy (`scheduler.policy`), job cost estimates
-(`scheduler.cost`), its Redis index of queued jobs per user (`scheduler.index`) and the claim
+(`scheduler.cost`), the Redis index of queued jobs (`scheduler.queue_index`) and the claim
 protocol against Redis and the database (`scheduler.claim`). See docs/scheduler.md.
 
 A worker group calls `scheduler.claim.claim_for_group` at a step boundary whenever ranks are free

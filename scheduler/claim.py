@@ -1,15 +1,16 @@
-"""The claim protocol: make a `Plan` real against Redis and the database, atomically per job.
+"""The claim protocol: make a `SchedulerOutput` real in Redis and the database, atomically per job.
 
 A worker group with free ranks calls `claim_for_group` at a step boundary. It reads a bounded
-set of candidates from the batcher's Redis index (`scheduler.index`: the oldest jobs of the few
-user queues that can win, never the whole queue), lets a `scheduler.policy.Policy` choose, and
-claims every chosen job with `storage.jobs.claim_job`: one conditional UPDATE (queued -> running
-with a fresh attempt token) committed with its event. Two groups may choose the same job; the
-database lets exactly one of them have it, and the loser drops the job and offers the rank to
-the next candidate. A job whose deadline has passed is ended as ``expired`` on the way, with the
-reason. Every job chosen leaves both Redis indexes, whatever the outcome of its claim.
+set of candidates from the Redis index of queued jobs (`scheduler.queue_index`: the oldest jobs
+of the few user queues that can win, never the whole queue), lets a `scheduler.policy.Policy`
+choose, and claims every chosen job with `storage.lifecycle.claim_job`: one conditional UPDATE
+(queued -> running with a fresh attempt token) committed with its event. Two groups may choose
+the same job; the database lets exactly one of them have it, and the loser drops the job and
+offers the rank to the next candidate. A job whose deadline has passed is ended as ``expired``
+on the way, with the reason (`storage.lifecycle.expire`). Every job chosen leaves the index,
+whatever the outcome of its claim.
 
-Besides `scheduler.index`'s keys this module keeps ``P + "sched:cost"``, the learned
+Besides `scheduler.queue_index`'s keys this module keeps ``P + "sched:cost"``, the learned
 `CostModel` as JSON, and charges each started job to its user (``P sched:served:{class}``) until
 `record_result` replaces the estimate by the real render seconds.
 """
@@ -22,15 +23,14 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from redis import Redis, RedisError, WatchError
-from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from scheduler import index
+from common.families import family_of
+from scheduler import queue_index
 from scheduler.cost import CostModel, tokens
 from scheduler.policy import JobResult, Policy, PolicyConfig, QueuedJob, RunningJob
-from storage.jobs import Claim, claim_job
-from storage.models import Job, JobEvent, JobState, utcnow
-from storage.ready import new_key, ready_key
+from storage.lifecycle import Claim, claim_job, expire
+from storage.models import Job, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ MAX_ROUNDS = 8
 # out stale or expired.
 EXTRA_QUEUES = 2
 CHARGE_TTL_SECONDS = 7 * 24 * 3600
-EXPIRED_ERROR = "its deadline passed before it could start"
 
 
 def cost_key(prefix: str) -> str:
@@ -49,7 +48,7 @@ def cost_key(prefix: str) -> str:
 
 
 def job_tokens(job: Job) -> int:
-    return tokens(job.width, job.height, job.num_frames)
+    return tokens(job.width, job.height, job.num_frames, family=family_of(job.model))
 
 
 def running_job(job: Job, *, rank: int, steps_done: int,
@@ -80,7 +79,7 @@ def claim_for_group(
     config: PolicyConfig | None = None,
 ) -> list[tuple[int, Claim]]:
     """Pick up to len(free_ranks) compatible queued jobs for this group's free ranks and claim
-    each atomically (storage.jobs.claim_job); returns (rank, Claim) pairs, by rank. Jobs whose
+    each atomically (storage.lifecycle.claim_job); returns (rank, Claim) pairs, by rank. Jobs whose
     deadline has passed are moved to `expired` on the way. Never returns a job another group
     claimed.
 
@@ -94,19 +93,17 @@ def claim_for_group(
     # One round trip for the bookkeeping every call needs.
     unknown = [r.job_id for r in running if not r.cost_per_step > 0]
     pipe = redis.pipeline(transaction=False)
-    pipe.exists(index.built_key(prefix))
-    pipe.lpop(new_key(prefix), index.INGEST_LIMIT)
+    pipe.exists(queue_index.built_key(prefix))
     pipe.get(cost_key(prefix))
-    pipe.script_exists(*index.script_shas())
+    pipe.script_exists(*queue_index.script_shas())
     # MGET needs at least one key: with no unknown costs, a dummy whose reply zip() ignores.
-    pipe.mget([index.charge_key(prefix, i) for i in unknown] or [index.charge_key(prefix, "")])
-    built, announced, raw_costs, loaded_scripts, charges = pipe.execute()
+    pipe.mget([queue_index.charge_key(prefix, i) for i in unknown]
+              or [queue_index.charge_key(prefix, "")])
+    built, raw_costs, loaded_scripts, charges = pipe.execute()
     if not all(loaded_scripts):
-        index.load_scripts(redis)
+        queue_index.load_scripts(redis)
     if not built:
-        index.ensure_built(session, redis, prefix)
-    if announced:
-        index.ingest(session, redis, prefix, raw=announced)
+        queue_index.ensure_built(session, redis, prefix)
     costs = CostModel.from_state(json.loads(raw_costs)) if raw_costs else CostModel()
     claimed: dict[int, Claim] = {}
     busy = _with_costs(running, dict(zip(unknown, charges, strict=False)))
@@ -118,7 +115,7 @@ def claim_for_group(
                                     config)
         plan = policy.schedule(want, model=model, running=busy, now=now.timestamp())
         for job_id in plan.expired:
-            expire_job(session, job_id, now=now)
+            expire(session, job_id, now=now)
         started = []
         for rank, job_id in plan.assignments.items():
             job = loaded[job_id]
@@ -142,7 +139,7 @@ def _with_costs(running: Sequence[RunningJob],
                 charges: dict[str, bytes | str | None]) -> list[RunningJob]:
     """``running``, with the cost recorded at claim time wherever the caller passed none."""
     known = {job_id: cost for job_id, raw in charges.items()
-             if raw is not None and (cost := index.charged_step_cost(raw)) is not None}
+             if raw is not None and (cost := queue_index.charged_step_cost(raw)) is not None}
     return [RunningJob(job_id=r.job_id, rank=r.rank, model=r.model,
                        cost_per_step=known.get(r.job_id, r.cost_per_step),
                        steps_left=r.steps_left) if r.job_id in known else r for r in running]
@@ -156,12 +153,12 @@ def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
     level), then one of that user's ``cost_window`` oldest jobs; after each pick the picked
     user's service grows. So the winners of ``num_free`` picks all come from the first
     ``num_free`` user queues in that order, and from their ``cost_window + num_free`` oldest
-    jobs: that, plus a little slack, is all that is read (`scheduler.index.pick`).
+    jobs: that, plus a little slack, is all that is read (`scheduler.queue_index.pick`).
     """
-    jobs, served = index.pick(redis, prefix, model, now=now,
-                              aging_seconds=config.aging_seconds,
-                              num_queues=num_free + EXTRA_QUEUES,
-                              num_jobs=config.cost_window + num_free)
+    jobs, served = queue_index.pick(redis, prefix, model, now=now,
+                                    aging_seconds=config.aging_seconds,
+                                    num_queues=num_free + EXTRA_QUEUES,
+                                    num_jobs=config.cost_window + num_free)
     policy = Policy(config, costs)
     policy.add_many(jobs)
     for (job_class, owner), value in served.items():
@@ -172,7 +169,7 @@ def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
 def _settle(redis: Redis, prefix: str, started: Sequence[QueuedJob],
             step_costs: dict[str, float], done: Sequence[QueuedJob]) -> None:
     """One round trip: charge the started jobs to their users, and drop every job the plan
-    touched (started, lost to another group, expired) from both indexes."""
+    touched (started, lost to another group, expired) from the index."""
     if not done:
         return
     try:
@@ -188,33 +185,11 @@ def _settle_now(redis: Redis, prefix: str, started: Sequence[QueuedJob],
                 step_costs: dict[str, float], done: Sequence[QueuedJob]) -> None:
     pipe = redis.pipeline(transaction=False)
     for job in started:
-        index.charge(pipe, prefix, job_id=job.job_id, job_class=job.job_class,
-                     owner=job.owner, cost_per_step=step_costs[job.job_id],
-                     num_steps=job.num_steps, ttl_seconds=CHARGE_TTL_SECONDS)
-    index.remove(pipe, prefix, [j.job_id for j in done])
-    for j in done:
-        pipe.zrem(ready_key(prefix, j.job_class, j.priority), j.job_id)
+        queue_index.charge(pipe, prefix, job_id=job.job_id, job_class=job.job_class,
+                           owner=job.owner, cost_per_step=step_costs[job.job_id],
+                           num_steps=job.num_steps, ttl_seconds=CHARGE_TTL_SECONDS)
+    queue_index.remove(pipe, prefix, [j.job_id for j in done])
     pipe.execute()
-
-
-def expire_job(session: Session, job_id: str, *, now: datetime | None = None) -> bool:
-    """queued -> expired if its deadline has passed; commits. False if it was not (any more)."""
-    now = now or utcnow()
-    attempts = session.scalar(
-        update(Job)
-        .where(Job.id == job_id, Job.state == JobState.QUEUED, Job.deadline.is_not(None),
-               Job.deadline <= now)
-        .values(state=JobState.EXPIRED.value, finished_at=now, error=EXPIRED_ERROR,
-                error_code="expired")
-        .returning(Job.attempts)
-        .execution_options(synchronize_session=False)
-    )
-    if attempts is None:
-        session.rollback()
-        return False
-    session.add(JobEvent(job_id=job_id, at=now, kind="expired", attempt=attempts, detail={}))
-    session.commit()
-    return True
 
 
 def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tokens: int,
@@ -225,10 +200,10 @@ def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tok
     waiting for the slowest rank."""
     result = JobResult(job_id=job_id, model=model, num_tokens=num_tokens, num_steps=num_steps,
                        render_seconds=render_seconds)
-    raw = redis.getdel(index.charge_key(prefix, job_id))
+    raw = redis.getdel(queue_index.charge_key(prefix, job_id))
     if raw is not None:
         job_class, owner, estimate = json.loads(raw)[:3]
-        redis.hincrbyfloat(index.served_key(prefix, job_class), owner,
+        redis.hincrbyfloat(queue_index.served_key(prefix, job_class), owner,
                            render_seconds - float(estimate))
     if result.num_steps <= 0:
         return

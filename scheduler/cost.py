@@ -2,16 +2,13 @@
 
 The ranks of a worker group step in lock-step on the weight gathers, so a step lasts as long as
 its slowest rank. The batcher therefore groups jobs of similar cost per step, and the cost of a
-step is driven by how many tokens the transformer sees per forward:
+step is driven by how many tokens the transformer sees per forward. With the model family's VAE
+and patch (``common.families``; every family today: VAE 4x8x8, patch 1x2x2):
 
-    latent frames = (num_frames - 1) // 4 + 1      (causal video VAE: the first frame alone)
-    latent size   = ceil(height / 8) x ceil(width / 8)
-    tokens        = latent frames / 1 * latent height / 2 * latent width / 2   (patch 1x2x2)
-
-These defaults (VAE compression 4x8x8 for frames x height x width, patch 1x2x2) are kiln-tiny's
-real geometry (``runtime.models.tiny.TinyConfig``: ``temporal_compression=4``,
-``spatial_compression=8``, ``patch_size=2``) and Wan2.1's; CogVideoX 1.0 uses the same. A model
-with other numbers passes its own ``vae_scale`` / ``patch``.
+    latent frames = (num_frames - 1) // temporal + 1      (causal video VAE: the first frame alone)
+    latent size   = ceil(height / spatial) x ceil(width / spatial)
+    tokens        = ceil(latent frames / patch_t) x ceil(latent height / patch_h)
+                    x ceil(latent width / patch_w)
 
 Tokens are a proxy; seconds are what the lock-step pays. `CostModel` fits, per model,
 ``seconds_per_step = overhead + per_token * tokens`` by exponentially decayed least squares over
@@ -25,9 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-# Frames x height x width compressed by the VAE, and the transformer's patch (frames, h, w).
-DEFAULT_VAE_SCALE = (4, 8, 8)
-DEFAULT_PATCH = (1, 2, 2)
+from common.families import Family
+
 # A guess used until a model has history; only the ratio between jobs matters then.
 DEFAULT_SECONDS_PER_TOKEN = 1e-5
 # Each finished job weighs this much less than the one after it: the fit follows the hardware
@@ -35,22 +31,21 @@ DEFAULT_SECONDS_PER_TOKEN = 1e-5
 DEFAULT_DECAY = 0.99
 
 
-def latent_shape(width: int, height: int, num_frames: int,
-                 vae_scale: tuple[int, int, int] = DEFAULT_VAE_SCALE) -> tuple[int, int, int]:
+def latent_shape(width: int, height: int, num_frames: int, *,
+                 family: Family) -> tuple[int, int, int]:
     """(frames, height, width) of the latent video: a causal VAE keeps the first frame alone."""
     if width <= 0 or height <= 0 or num_frames <= 0:
         raise ValueError(f"size and frames must be positive, got {width}x{height}, "
                          f"{num_frames} frames")
-    st, sh, sw = vae_scale
-    return (num_frames - 1) // st + 1, math.ceil(height / sh), math.ceil(width / sw)
+    st, s = family.vae_scale_factor_temporal, family.vae_scale_factor_spatial
+    return (num_frames - 1) // st + 1, math.ceil(height / s), math.ceil(width / s)
 
 
-def tokens(width: int, height: int, num_frames: int, *,
-           patch: tuple[int, int, int] = DEFAULT_PATCH,
-           vae_scale: tuple[int, int, int] = DEFAULT_VAE_SCALE) -> int:
-    """Video tokens one transformer forward sees (e.g. 64x64, 9 frames on kiln-tiny: 3x4x4=48)."""
-    f, h, w = latent_shape(width, height, num_frames, vae_scale)
-    pt, ph, pw = patch
+def tokens(width: int, height: int, num_frames: int, *, family: Family) -> int:
+    """Video tokens one transformer forward of ``family`` sees (e.g. 64x64, 9 frames on
+    kiln-tiny: 3x4x4=48)."""
+    f, h, w = latent_shape(width, height, num_frames, family=family)
+    pt, ph, pw = family.patch_size
     return math.ceil(f / pt) * math.ceil(h / ph) * math.ceil(w / pw)
 
 

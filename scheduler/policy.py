@@ -1,16 +1,18 @@
 """The batcher's policy: which queued job each free rank of a worker group starts next.
 
 CPU bookkeeping only, in the manner of vLLM's scheduler: `Policy.add` / `Policy.remove` keep the
-queue, `Policy.schedule(free_ranks, model=..., running=..., now=...)` returns a `Plan`, and
-`Policy.update_from_output` feeds back what finished jobs really cost. No Redis, database or
-torch: `scheduler.claim` turns a plan into claims, tests and the simulator drive it directly.
+queue, `Policy.schedule(free_ranks, model=..., running=..., now=...)` returns a
+`SchedulerOutput`, and `Policy.update_from_output` feeds back what finished jobs really cost. No
+Redis, database or torch: `scheduler.claim` turns a plan into claims, tests and the simulator
+drive it directly.
 
 Order, for the model a group serves (a group never mixes models: its ranks share one set of
 weights):
 
 1. **Windows.** A job is not considered before its ``due`` time (``not_before``, else its
-   submission). A job still queued at its ``deadline`` is listed in ``Plan.expired`` and never
-   assigned: the caller ends it as ``expired``, unrendered, with the reason.
+   submission). A job still queued at its ``deadline`` is listed in
+   ``SchedulerOutput.expired`` and never assigned: the caller ends it as ``expired``,
+   unrendered, with the reason.
 2. **Levels (class, priority, aging).** A job's level is ``base + priority + waited // aging``,
    at most `TOP_LEVEL`: base 10 for interactive jobs, 0 for batch, priority 0-9, and one level
    more per ``aging_seconds`` waited since ``due``. Fresh interactive work (10-19) therefore goes
@@ -39,7 +41,7 @@ one while the others go on.
 State per call: the queue holds one heap per (model, class, priority, user), so `schedule` looks
 at the heads of the non-empty queues (a few per user), not at every queued job. The claim path
 builds a throwaway policy per call from the few candidates its Redis index returns
-(`scheduler.index.pick` applies the same order to choose them); the simulator keeps one.
+(`scheduler.queue_index.pick` applies the same order to choose them); the simulator keeps one.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class PolicyConfig:
 
 
 @dataclass(slots=True)
-class Plan:
+class SchedulerOutput:
     # free rank -> id of the job to start on it at the next step boundary
     assignments: dict[int, str] = field(default_factory=dict)
     # queued jobs whose deadline passed before they could start: end them as expired
@@ -199,7 +201,7 @@ class Policy:
     # -- scheduling -----------------------------------------------------------------------------
 
     def schedule(self, free_ranks: Sequence[int], *, model: str,
-                 running: Sequence[RunningJob] = (), now: float) -> Plan:
+                 running: Sequence[RunningJob] = (), now: float) -> SchedulerOutput:
         """Jobs for ``free_ranks`` of a group serving ``model``, given what ``running`` ranks do.
 
         Assigned jobs leave the queue (and are charged to their user); if a claim then fails the
@@ -211,7 +213,7 @@ class Policy:
         busy = {r.rank for r in running if r.steps_left > 0}
         if busy & set(ranks):
             raise ValueError(f"ranks {sorted(busy & set(ranks))} are both free and running")
-        plan = Plan()
+        plan = SchedulerOutput()
         self._expire(now, plan)
         costs = [r.cost_per_step for r in running if r.steps_left > 0]
         for rank in ranks:
@@ -244,7 +246,7 @@ class Policy:
         self._served[share] = before + estimate
         self._charged[job.job_id] = (share, estimate)
 
-    def _expire(self, now: float, plan: Plan) -> None:
+    def _expire(self, now: float, plan: SchedulerOutput) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, seq, job_id = heapq.heappop(self._deadlines)
             if self._seq_of.get(job_id) == seq:

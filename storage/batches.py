@@ -1,10 +1,10 @@
 """The batch repository: submit many jobs as one batch, read its progress and report, cancel it.
 
 A batch is created with all its jobs in ONE transaction (every job or none), committed here; tell
-Redis (`storage.ready.add`) about the returned jobs only after that. Cancelling is set-based but
-guarded exactly like `storage.jobs.request_cancel`: queued jobs become ``cancelled`` at once,
-running ones get ``cancel_requested`` for their rank to see at its next step; finished jobs are
-untouched. Every change writes its `JobEvent`.
+Redis (`scheduler.queue_index.add`) about the returned jobs only after that. Cancelling is
+set-based but guarded exactly like `storage.lifecycle.request_cancel`: queued jobs become
+``cancelled`` at once, running ones get ``cancel_requested`` for their rank to see at its next
+step; finished jobs are untouched. Every change writes its `JobEvent`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,10 @@ from typing import Any
 from sqlalchemy import and_, func, insert, or_, select, true, update
 from sqlalchemy.orm import Session
 
-from storage.jobs import (
-    JobSpec,
-    check_queue_room,
-    create_or_replay,
-    decode_cursor,
-    encode_cursor,
-    is_job_id,
-    new_job_id,
-    new_job_row,
-)
+from storage.idempotency import create_or_replay
 from storage.models import TERMINAL_STATES, Batch, Job, JobEvent, JobState, User, utcnow
+from storage.pagination import decode_cursor, encode_cursor
+from storage.submission import JobSpec, check_queue_room, is_job_id, new_job_id, new_job_row
 
 _TERMINAL = [s.value for s in TERMINAL_STATES]
 
@@ -57,9 +50,9 @@ def create_batch(
     """Stores the batch and one queued job per spec in one transaction and commits. A spec
     without a ``batch_index`` (its line in the submission) gets its 1-based position.
 
-    Raises `storage.jobs.IdempotencyConflict` when the key was used with another request and
-    `storage.jobs.QueueFull` when the owner's queued jobs plus these would pass ``max_queued``
-    (an idempotent replay is never refused).
+    Raises `storage.idempotency.IdempotencyConflict` when the key was used with another request
+    and `storage.submission.QueueFull` when the owner's queued jobs plus these would pass
+    ``max_queued`` (an idempotent replay is never refused).
     """
     if not specs:
         raise ValueError("a batch needs at least one job")
@@ -221,7 +214,7 @@ class Cancelled:
 def cancel_batch(session: Session, batch: Batch, user: User, *,
                  now: datetime | None = None) -> Cancelled:
     """Cancels every queued job of the batch at once and asks the running ones to stop, with
-    the guards of `storage.jobs.request_cancel`; commits."""
+    the guards of `storage.lifecycle.request_cancel`; commits."""
     now = now or utcnow()
     cancelled = list(session.scalars(
         update(Job)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -40,3 +40,13 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     # expire_on_commit=False: routes return rows after committing them.
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def autocommit(session: Session) -> Connection:
+    """The session's connection in autocommit mode, for ONE statement that is atomic on its own
+    (PostgreSQL runs each statement in a transaction of its own): no ``BEGIN`` and ``COMMIT``
+    round trips around it. A read transaction the session has open is committed first. Call
+    ``session.commit()`` after the statement to give the connection back."""
+    if session.in_transaction():
+        session.commit()
+    return session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})

@@ -85,6 +85,13 @@ class JobClass(enum.StrEnum):
     BATCH = "batch"  # overnight bulk work
 
 
+# A job's priority orders it within its class: higher runs first.
+MIN_PRIORITY = 0
+MAX_PRIORITY = 9
+DEFAULT_PRIORITY = 5
+MAX_SEED = 2**63 - 1  # seeds fit the BIGINT column
+
+
 def _in(values: type[enum.StrEnum]) -> str:
     return ", ".join(f"'{v.value}'" for v in values)
 
@@ -183,7 +190,7 @@ class Job(Base):
     guidance_scale: Mapped[float] = mapped_column(Float)
     seed: Mapped[int] = mapped_column(BigInteger)  # drawn at submit when not given: re-runs match
     class_: Mapped[str] = mapped_column("job_class", String(16), default=JobClass.INTERACTIVE.value)
-    priority: Mapped[int] = mapped_column(default=5)  # higher runs first within a class
+    priority: Mapped[int] = mapped_column(default=DEFAULT_PRIORITY)  # higher runs first in a class
     not_before: Mapped[datetime | None]
     deadline: Mapped[datetime | None]
     webhook_url: Mapped[str | None] = mapped_column(String(2048))
@@ -191,7 +198,7 @@ class Job(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str] = mapped_column(String(64))
 
-    # Lifecycle; every change goes through a guarded UPDATE in storage.jobs.
+    # Lifecycle; every change goes through a guarded UPDATE in storage.lifecycle.
     state: Mapped[str] = mapped_column(String(16), default=JobState.QUEUED.value)
     attempts: Mapped[int] = mapped_column(default=0)
     max_attempts: Mapped[int] = mapped_column(default=3)

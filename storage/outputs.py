@@ -7,14 +7,16 @@ which derive them from the job id alone, so no request field ever becomes part o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Protocol
 from urllib.parse import urlsplit
 
+from common.files import atomic_path
 from common.settings import Settings
 
 _KEY = re.compile(r"^[a-z]+/[a-z0-9]{1,64}\.[a-z0-9]{2,4}$")
@@ -63,34 +65,22 @@ class LocalStore:
         return self.root / _checked(key)
 
     def put(self, key: str, path: Path) -> None:
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Copy to a temporary name in the same directory, then rename over the target: a rename
-        # within one file system is atomic, so a reader never sees half a video.
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=target.suffix)
-        try:
-            with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
-                shutil.copyfileobj(src, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with self._writing(key) as out, open(path, "rb") as src:
+            shutil.copyfileobj(src, out)
 
     def put_bytes(self, key: str, data: bytes) -> None:
+        with self._writing(key) as out:
+            out.write(data)
+
+    @contextlib.contextmanager
+    def _writing(self, key: str) -> Iterator[IO[bytes]]:
+        """A file for the object's contents; on a clean exit it is synced and renamed over it."""
         target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=target.suffix)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
+        with atomic_path(target, prefix=".tmp-", suffix=target.suffix) as tmp:
+            with open(tmp, "wb") as out:
+                yield out
                 out.flush()
                 os.fsync(out.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
     def open(self, key: str) -> IO[bytes]:
         return open(self._path(key), "rb")
@@ -116,7 +106,7 @@ class S3Store:
         **client_kwargs: Any,
     ) -> None:
         if client is None:
-            try:
+            try:  # an optional package (the s3 extra)
                 import boto3
             except ImportError as exc:  # pragma: no cover - depends on the install
                 raise RuntimeError(

@@ -7,19 +7,30 @@ at most a hidden ``.*.tmp`` file behind.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import tempfile
-from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
 from PIL import Image
 
+from common.files import atomic_path
+
 DEFAULT_FPS = 16  # Wan's frame rate
+
+
+def float_to_uint8(x: Any) -> Any:
+    """Float values in [0, 1] -> uint8 0-255, as the same kind of array: numpy stays numpy, a
+    torch tensor stays a tensor on its device (through ``.byte()``: this module loads no torch).
+
+    Clipped, scaled by 255 and rounded half to even: diffusers' numpy_to_pil, so frames match
+    its PIL output.
+    """
+    scaled = (x.clip(0.0, 1.0) * 255).round()
+    return scaled.astype(np.uint8) if isinstance(scaled, np.ndarray | np.generic) else scaled.byte()
 
 
 def to_uint8(frames: object) -> np.ndarray:
@@ -29,22 +40,7 @@ def to_uint8(frames: object) -> np.ndarray:
         raise ValueError(f"frames must be [N, H, W, 3], got shape {list(arr.shape)}")
     if arr.dtype == np.uint8:
         return arr
-    # Same rounding as diffusers' numpy_to_pil, so frames match its PIL output.
-    return (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
-
-
-@contextlib.contextmanager
-def _atomic_path(path: Path) -> Iterator[Path]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    return float_to_uint8(arr)  # type: ignore[no-any-return]
 
 
 @functools.cache
@@ -76,7 +72,7 @@ def write_video(frames: object, path: str | os.PathLike[str], *, fps: int = DEFA
     if h % 2 or w % 2:
         raise ValueError(f"H.264 (yuv420p) needs an even width and height, got {w}x{h}")
     path = Path(path)
-    with _atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         with av.open(str(tmp), mode="w", format="mp4") as container:
             stream = container.add_stream("libx264", rate=Fraction(fps))
             stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
@@ -93,7 +89,7 @@ def write_thumbnail(frame: object, path: str | os.PathLike[str]) -> Path:
     """One [H, W, 3] frame as a PNG at ``path``."""
     rgb = to_uint8(np.asarray(frame)[None] if not hasattr(frame, "detach") else frame[None])[0]
     path = Path(path)
-    with _atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         Image.fromarray(rgb).save(tmp, format="PNG")
     return path
 

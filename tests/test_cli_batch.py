@@ -15,7 +15,7 @@ from servers import Service, serving_api
 from sqlalchemy import select
 
 from kiln.cli.batch import parse_window
-from storage import jobs
+from storage import lifecycle
 from storage.models import Job
 from storage.outputs import video_key
 
@@ -76,17 +76,17 @@ def test_submit_with_a_window_then_status_and_report(service: Service, tmp_path:
         assert {(j.not_before, j.deadline) for j in rows} == {expected}
         # Finish one and fail one the way a worker would.
         for job, fail in ((rows[0], False), (rows[1], True)):
-            claim = jobs.claim_job(s, job.id, worker_group_id="g", rank=0, lease_seconds=60,
-                                   now=expected[0])
+            claim = lifecycle.claim_job(s, job.id, worker_group_id="g", rank=0, lease_seconds=60,
+                                        now=expected[0])
             assert claim is not None
             done_at = expected[0] + timedelta(seconds=10)
             if fail:
-                jobs.fail_job(s, job.id, claim.attempt_token, error="out of device memory",
-                              now=done_at)
+                lifecycle.fail_job(s, job.id, claim.attempt_token, error="out of device memory",
+                                   now=done_at)
             else:
                 service.store.put_bytes(video_key(job.id), b"an mp4 file")
-                jobs.finish_succeeded(s, job.id, claim.attempt_token, video_key=video_key(job.id),
-                                      now=done_at)
+                lifecycle.finish_succeeded(s, job.id, claim.attempt_token,
+                                           video_key=video_key(job.id), now=done_at)
     status = service.kiln("batch", "status", batch_id)
     assert status.exit_code == 0, status.output
     assert "1 queued, 1 succeeded, 1 failed" in status.stdout

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from common.procs import free_port
 from kiln.cli import app as cli
-from storage import jobs
+from storage import lifecycle, submission
 from storage.models import Job
 from storage.outputs import video_key
 
@@ -41,17 +41,18 @@ def render_when_queued(service: Service, *, fail: bool = False) -> threading.Thr
                 assert time.monotonic() < deadline, "no job was submitted"
                 time.sleep(0.05)
                 s.rollback()
-            claim = jobs.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=60)
+            claim = lifecycle.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=60)
             assert claim is not None
             for step in range(1, claim.job.num_inference_steps + 1):
                 time.sleep(0.1)
-                jobs.heartbeat(s, job_id, claim.attempt_token, step=step,
-                               total=claim.job.num_inference_steps, lease_seconds=60)
+                lifecycle.heartbeat(s, job_id, claim.attempt_token, step=step,
+                                    num_inference_steps=claim.job.num_inference_steps,
+                                    lease_seconds=60)
             if fail:
-                jobs.fail_job(s, job_id, claim.attempt_token, error="out of device memory")
+                lifecycle.fail_job(s, job_id, claim.attempt_token, error="out of device memory")
                 return
             service.store.put_bytes(video_key(job_id), b"an mp4 file")
-            jobs.finish_succeeded(s, job_id, claim.attempt_token, video_key=video_key(job_id))
+            lifecycle.finish_succeeded(s, job_id, claim.attempt_token, video_key=video_key(job_id))
 
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
@@ -92,7 +93,7 @@ def test_submit_prints_the_id_and_status_shows_the_job_and_the_recent_list(
     second = service.kiln("submit", "second prompt", "--steps", "3")
     assert first.exit_code == 0 and second.exit_code == 0
     first_id, second_id = first.stdout.strip(), second.stdout.strip()
-    assert jobs.is_job_id(first_id) and jobs.is_job_id(second_id)
+    assert submission.is_job_id(first_id) and submission.is_job_id(second_id)
 
     one = service.kiln("status", second_id)
     assert one.exit_code == 0, one.output
@@ -128,7 +129,7 @@ def test_cancel_cancels_a_queued_job_and_refuses_a_finished_one_with_the_reason(
     assert service.kiln("cancel", queued).exit_code == 0
     running = service.kiln("submit", "a long one").stdout.strip()
     with service.db.session() as s:
-        assert jobs.claim_job(s, running, worker_group_id="g", rank=0, lease_seconds=60)
+        assert lifecycle.claim_job(s, running, worker_group_id="g", rank=0, lease_seconds=60)
     flagged = service.kiln("cancel", running)
     assert flagged.exit_code == 0
     assert flagged.stdout.strip() == f"cancel requested; {running} stops after its current step"

@@ -25,7 +25,8 @@ from servers import Service, serving_api, worker_group
 from kiln.tasks import Context, reap_leases
 from runtime.pipelines.base import VideoRequest
 from runtime.render import frames_to_uint8, load_pipeline
-from storage import jobs, ready
+from scheduler import queue_index
+from storage import lifecycle, queries
 from storage.models import Job, utcnow
 from storage.video import write_outputs
 
@@ -123,20 +124,20 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
         assert queued["status"] == "queued" and queued["attempts"] == 1, queued
         assert queued["step"] == 0 and queued["queue_position"] == 0, queued
         with db.session() as s:
-            events = jobs.job_events(s, job_id)
+            events = queries.job_events(s, job_id)
             row = s.get(Job, job_id)
             assert row is not None
             assert row.error_code == "lease_expired" and row.attempt_token is None
-            assert ready.position(redis_client, redis_prefix, row) == 0
+            assert queue_index.position(redis_client, redis_prefix, row) == 0
         assert [e.kind for e in events] == ["created", "claimed", "requeued"], events
         assert events[-1].attempt == 1 and events[-1].detail == {"reason": "lease expired"}
 
         # 3. The killed attempt can no longer change the row.
         with db.session() as s:
-            assert jobs.heartbeat(s, job_id, old_token, step=STEPS - 1, total=STEPS,
-                                  lease_seconds=LEASE) is None
-            assert not jobs.finish_succeeded(s, job_id, old_token, video_key="forged.mp4")
-            assert jobs.fail_job(s, job_id, old_token, error="late", retryable=True) is None
+            assert lifecycle.heartbeat(s, job_id, old_token, step=STEPS - 1,
+                                       num_inference_steps=STEPS, lease_seconds=LEASE) is None
+            assert not lifecycle.finish_succeeded(s, job_id, old_token, video_key="forged.mp4")
+            assert lifecycle.fail_job(s, job_id, old_token, error="late", retryable=True) is None
         after = _row(service, job_id)
         assert (after.state, after.attempts, after.progress_step) == ("queued", 1, 0)
 
@@ -148,7 +149,7 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
         assert finished.attempt_token not in (None, old_token)
         assert finished.output_video_key != "forged.mp4"
         with db.session() as s:
-            kinds = [e.kind for e in jobs.job_events(s, job_id)]
+            kinds = [e.kind for e in queries.job_events(s, job_id)]
         assert kinds == ["created", "claimed", "requeued", "claimed", "succeeded"], kinds
 
         # Its video is the one `kiln render` makes for the same request and seed.
@@ -159,7 +160,7 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
         pipe = load_pipeline("kiln-tiny")
         try:
             request = VideoRequest(prompt=JOB["prompt"], width=64, height=64, num_frames=9,
-                                   num_steps=STEPS, seed=JOB["seed"])
+                                   num_inference_steps=STEPS, seed=JOB["seed"])
             frames = frames_to_uint8(pipe.generate(request)).numpy()
         finally:
             pipe.close()

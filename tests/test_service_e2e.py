@@ -94,7 +94,7 @@ def test_six_jobs_from_two_users_render_on_both_ranks_and_match_kiln_render(
                 served = tmp_path / f"{job_id}.mp4"
                 served.write_bytes(r.content)
                 request = VideoRequest(prompt=body["prompt"], width=64, height=64, num_frames=9,
-                                       num_steps=4, seed=body["seed"])
+                                       num_inference_steps=4, seed=body["seed"])
                 frames = frames_to_uint8(pipe.generate(request)).numpy()
                 local, _ = write_outputs(frames, tmp_path / f"local-{job_id}.mp4", fps=8)
                 assert np.array_equal(_decoded(served), _decoded(Path(local))), job_id

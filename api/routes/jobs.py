@@ -13,7 +13,8 @@ from api import service
 from api.deps import CurrentUser, QueueRoomDep, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.schemas import JobCreate, JobList, JobPublic, SafeQuery
 from common.settings import Settings
-from storage import jobs, ready
+from scheduler import queue_index
+from storage import lifecycle, queries
 from storage.models import Job, JobState, User
 from storage.outputs import OutputStore
 
@@ -30,7 +31,7 @@ _NOT_FOUND = "job not found"
 
 def visible_job(session: Session, job_id: str, user: User) -> Job:
     """The job, or 404 -- also for another user's job, so ids cannot be probed."""
-    job = jobs.get_job(session, job_id, user)
+    job = queries.get_job(session, job_id, user)
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, _NOT_FOUND)
     return job
@@ -49,11 +50,11 @@ def detail(session: Session, redis: Redis, settings: Settings, viewer: User,
     if job.state == JobState.QUEUED and position is None:
         # The index answers in O(log n); counting rows in the database is the fallback.
         try:
-            position = ready.position(redis, settings.redis_prefix, job)
+            position = queue_index.position(redis, settings.redis_prefix, job)
         except RedisError:
             position = None
         if position is None:
-            position = jobs.queue_position(session, job)
+            position = queries.queue_position(session, job)
     return service.job_public(job, queue_position=position,
                               owner=_owner_name(session, viewer, job))
 
@@ -91,7 +92,7 @@ def list_jobs(
 ) -> JobList:
     owner_id = service.owner_filter(session, user, owner, "jobs")
     try:
-        page, next_cursor = jobs.list_jobs(
+        page, next_cursor = queries.list_jobs(
             session, user, states=[s.value for s in status_ or []], model=model,
             batch_id=batch_id, owner_id=owner_id, limit=limit, cursor=cursor,
             newest_first=order == "desc",
@@ -113,7 +114,7 @@ def get_job(job_id: JobId, user: CurrentUser, session: SessionDep, redis: RedisD
 def cancel_job(job_id: JobId, user: CurrentUser, session: SessionDep, redis: RedisDep,
                settings: SettingsDep) -> JobPublic:
     """A queued job is cancelled at once; a running one stops after its current step."""
-    result = jobs.request_cancel(session, job_id, user)
+    result = lifecycle.request_cancel(session, job_id, user)
     if result is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, _NOT_FOUND)
     job, was_queued = result

@@ -13,7 +13,7 @@ import migrations
 from api.deps import CurrentUser, SessionDep, SettingsDep
 from api.errors import error_body
 from api.schemas import RankPublic, WorkerGroupList, WorkerGroupPublic
-from storage import jobs, workers
+from storage import queries, workers
 
 router = APIRouter(tags=["system"])
 
@@ -23,7 +23,7 @@ def list_workers(user: CurrentUser, session: SessionDep,
                  settings: SettingsDep) -> WorkerGroupList:
     """Worker groups with their ranks, memory and current jobs (only jobs the caller may see)."""
     groups = workers.list_groups(session, stale_after_seconds=settings.worker_stale_seconds)
-    running = jobs.running_jobs_by_group(session, [g.id for g, _ in groups])
+    running = queries.running_jobs_by_group(session, [g.id for g, _ in groups])
     data = []
     for group, stale in groups:
         mine = {j.id for j in running.get(group.id, []) if user.is_admin or j.owner_id == user.id}

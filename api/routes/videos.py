@@ -20,7 +20,7 @@ from api import service
 from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.routes.jobs import IdempotencyKey, JobId, serve_output, visible_job
 from api.schemas import VideoCreate, VideoDeleted, VideoList, VideoPublic
-from storage import jobs
+from storage import lifecycle, pagination, queries
 
 router = APIRouter(prefix="/v1/videos", tags=["openai-compatible"])
 
@@ -112,12 +112,12 @@ def list_videos(
 ) -> VideoList:
     cursor = None
     if after is not None:
-        anchor = jobs.get_job(session, after, user)
+        anchor = queries.get_job(session, after, user)
         if anchor is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, "after: no such video")
-        cursor = jobs.encode_cursor(anchor)
-    page, next_cursor = jobs.list_jobs(session, user, limit=limit, cursor=cursor,
-                                       newest_first=order == "desc")
+        cursor = pagination.encode_cursor(anchor)
+    page, next_cursor = queries.list_jobs(session, user, limit=limit, cursor=cursor,
+                                          newest_first=order == "desc")
     data = [service.video_public(j) for j in page]
     return VideoList(data=data, first_id=data[0].id if data else None,
                      last_id=data[-1].id if data else None, has_more=next_cursor is not None)
@@ -134,8 +134,8 @@ def delete_video(video_id: JobId, user: CurrentUser, session: SessionDep, redis:
                  settings: SettingsDep, store: StoreDep) -> VideoDeleted:
     """Deletes a finished video and its files; a queued one is cancelled first."""
     try:
-        result = jobs.delete_job(session, video_id, user)
-    except jobs.JobBusy as exc:
+        result = lifecycle.delete_job(session, video_id, user)
+    except lifecycle.JobBusy as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     if result is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "job not found")

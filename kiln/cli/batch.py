@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from kiln.cli.client import DEFAULT_API_URL, ApiKey, ApiUrl, call
 
@@ -158,9 +160,6 @@ def report(
 
 
 def _print_report(rep: dict[str, Any], every_job: bool, *, base_url: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=max(120, Console().width))
     counts = rep["counts"]
     summary = Table(box=None, show_header=False, pad_edge=False)

@@ -8,14 +8,26 @@ a request fails or a waited-for job does not succeed.
 
 from __future__ import annotations
 
-import os
-import tempfile
+import json
 import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import httpx
 import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from common.files import atomic_path
+from common.settings import Settings
 
 app = typer.Typer()
 
@@ -77,10 +89,8 @@ class Client:
 
     def download(self, job_id: str, out: Path) -> int:
         """Streams the job's video into ``out`` (whole or not at all); returns its size."""
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
         try:
-            with os.fdopen(fd, "wb") as f:
+            with atomic_path(out, suffix=".part") as tmp, open(tmp, "wb") as f:
                 # Redirects lead to presigned S3 URLs; httpx drops the key for another host.
                 with self.http.stream("GET", f"/v1/jobs/{job_id}/video",
                                       follow_redirects=True) as response:
@@ -89,11 +99,8 @@ class Client:
                         raise ApiError(_reason(response), response.status_code)
                     for chunk in response.iter_bytes():
                         f.write(chunk)
-            os.replace(tmp, out)
         except httpx.HTTPError as exc:
             raise ApiError(f"download failed: {exc}") from exc
-        finally:
-            Path(tmp).unlink(missing_ok=True)
         return out.stat().st_size
 
 
@@ -132,16 +139,6 @@ def _describe(job: dict[str, Any]) -> str:
 
 def _wait(client: Client, job: dict[str, Any], poll: float) -> dict[str, Any]:
     """Polls until the job is final, with a live progress bar on stderr."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=False)
@@ -217,8 +214,6 @@ def status(
     key: ApiKey = None,
 ) -> None:
     """Show one job, or a table of recent jobs."""
-    import json
-
     with Client(api, key) as client:
         try:
             if job_id is not None:
@@ -254,9 +249,6 @@ def _job_text(job: dict[str, Any]) -> str:
 
 
 def _job_table(jobs: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     if not jobs:
         typer.echo("no jobs")
         return
@@ -304,8 +296,6 @@ def celery_(
 
     Production runs `kiln celery worker` (as many as needed) and one `kiln celery beat`.
     """
-    from common.settings import Settings
-
     settings = Settings()
     if settings.redis_url is None:
         raise typer.BadParameter(
@@ -315,6 +305,7 @@ def celery_(
     if role == "beat" and beat is False:
         raise typer.BadParameter("--no-beat contradicts the beat role")
 
+    # Here, not at the top: Celery and the database layer load only for `kiln celery`.
     from kiln.tasks import app as celery_app
     from kiln.tasks import configure
 

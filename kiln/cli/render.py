@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 app = typer.Typer()
 
@@ -45,9 +47,7 @@ def render(
         help="Each rank streams whole blocks instead of sharding them.")] = False,
 ) -> None:
     """Render videos with DLO, without the service, and write MP4 + PNG thumbnail."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
+    # Here, not at the top: torch and the model code load only for the commands that render.
     from runtime.launch import RankFailure
     from runtime.pipelines.base import VideoRequest
     from runtime.render import output_path
@@ -57,8 +57,9 @@ def render(
     width, height = parse_size(size)
     try:
         requests = [VideoRequest(prompt=p, negative_prompt=negative_prompt, width=width,
-                                 height=height, num_frames=frames, num_steps=steps, seed=seed + i,
-                                 guidance_scale=guidance) for i, p in enumerate(prompt)]
+                                 height=height, num_frames=frames, fps=fps,
+                                 num_inference_steps=steps, guidance_scale=guidance,
+                                 seed=seed + i) for i, p in enumerate(prompt)]
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
@@ -70,9 +71,8 @@ def render(
 
         pss_samples: list[int] = []
         try:
-            reports = run_render(model, requests, out, dp=dp, fps=fps,
-                                 use_allgather=not rank_local, on_step=on_step,
-                                 on_sample=pss_samples.append)
+            reports = run_render(model, requests, out, dp=dp, use_allgather=not rank_local,
+                                 on_step=on_step, on_sample=pss_samples.append)
         except ValueError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from exc
@@ -110,6 +110,7 @@ def make_checkpoint(
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
 ) -> None:
     """Write a random-weight diffusers model directory of any size (for benchmarks)."""
+    # Here, not at the top: torch and diffusers load only for the commands that need them.
     import torch
 
     from runtime.models.synthetic import SyntheticSpec, checkpoint_bytes

@@ -21,6 +21,7 @@ def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
 ) -> None:
     """Create or update the schema to the latest (or given) revision."""
+    # Here, not at the top: Alembic and SQLAlchemy load only for the commands that need them.
     import migrations
 
     settings = Settings()
@@ -33,6 +34,7 @@ def db_downgrade(
     revision: Annotated[str, typer.Argument(help="Target revision, e.g. -1 or base.")],
 ) -> None:
     """Step the schema back (drops data in removed tables)."""
+    # Here, not at the top: Alembic and SQLAlchemy load only for the commands that need them.
     import migrations
 
     migrations.downgrade(Settings().database_url, revision)
@@ -40,6 +42,7 @@ def db_downgrade(
 
 
 def _session(settings: Settings):  # noqa: ANN202 - a context-managed Session
+    # Here, not at the top: SQLAlchemy loads only for the commands that use the database.
     from storage.db import make_engine, make_session_factory
 
     return make_session_factory(make_engine(settings.database_url))()
@@ -51,6 +54,7 @@ def keys_create(
     admin: Annotated[bool, typer.Option("--admin", help="The user sees every job.")] = False,
 ) -> None:
     """Create an API key and print it. It is shown only this once."""
+    # Here, not at the top: the database layer loads only for the commands that use it.
     from storage.users import create_api_key
 
     with _session(Settings()) as session:
@@ -67,6 +71,7 @@ def keys_create(
 @keys_app.command("list")
 def keys_list() -> None:
     """List keys (prefixes only: the keys themselves are not stored)."""
+    # Here, not at the top: the database layer loads only for the commands that use it.
     from storage.users import list_api_keys
 
     with _session(Settings()) as session:
@@ -79,6 +84,7 @@ def keys_list() -> None:
 @keys_app.command("revoke")
 def keys_revoke(prefix: Annotated[str, typer.Argument(help="The key's prefix.")]) -> None:
     """Revoke a key by its prefix."""
+    # Here, not at the top: the database layer loads only for the commands that use it.
     from storage.users import revoke_api_key
 
     with _session(Settings()) as session:
@@ -94,6 +100,7 @@ def api(
     workers: Annotated[int, typer.Option(help="Uvicorn worker processes.")] = 1,
 ) -> None:
     """Serve the HTTP API (jobs, OpenAI-compatible videos, workers, metrics)."""
+    # Here, not at the top: the server stack loads only for `kiln api`.
     import uvicorn
 
     settings = Settings()

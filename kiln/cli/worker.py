@@ -6,6 +6,8 @@ from typing import Annotated
 
 import typer
 
+from common.settings import get_settings
+
 app = typer.Typer()
 
 
@@ -20,7 +22,6 @@ def worker(
 ) -> None:
     """Load the model once on --dp ranks, then render queued jobs until stopped (Ctrl-C)."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
-    from common.settings import get_settings
     from kiln.worker import WorkerConfig, run_worker
 
     if device not in ("cpu", "cuda", "npu"):

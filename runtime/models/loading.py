@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import diffusers
 import torch
+import transformers
 from torch import nn
 
 from runtime.dlo.checkpoint import Checkpoint
@@ -42,15 +44,11 @@ def meta_parameters() -> Iterator[None]:
 def model_class(model_dir: Path) -> type:
     """The class ``config.json`` names: a diffusers model's ``_class_name``, or a transformers
     model's first ``architectures`` entry (the text encoders of the video pipelines)."""
-    import diffusers
-
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json")
     config = json.loads(config_path.read_text())
     if "_class_name" not in config and config.get("architectures"):
-        import transformers
-
         name = config["architectures"][0]
         cls = getattr(transformers, name, None)
     else:

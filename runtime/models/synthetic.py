@@ -14,7 +14,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers
 import torch
+import transformers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
 FAMILIES = ("wan", "cogvideox")
 
@@ -57,9 +61,6 @@ class SyntheticSpec:
 
 def build_tokenizer(max_length: int = 512):  # noqa: ANN201 - a transformers tokenizer
     """A word-level T5-style tokenizer (pad 0, eos 1, unk 2), built from a fixed word list."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
     for w in _WORDS:
         vocab.setdefault(w, len(vocab))
@@ -73,8 +74,6 @@ def build_tokenizer(max_length: int = 512):  # noqa: ANN201 - a transformers tok
 
 
 def _text_encoder(spec: SyntheticSpec, vocab_size: int, t5_class: str):  # noqa: ANN202
-    import transformers
-
     config_cls = transformers.UMT5Config if t5_class.startswith("UMT5") else transformers.T5Config
     config = config_cls(vocab_size=vocab_size, d_model=spec.text_dim, d_kv=8,
                         d_ff=2 * spec.text_dim, num_layers=spec.text_layers, num_heads=4,
@@ -85,8 +84,6 @@ def _text_encoder(spec: SyntheticSpec, vocab_size: int, t5_class: str):  # noqa:
 
 def build_components(spec: SyntheticSpec) -> dict[str, object]:
     """The diffusers pipeline components, random weights from ``spec.seed``."""
-    import diffusers
-
     tokenizer = build_tokenizer()
     heads = spec.width // spec.head_dim
     with torch.random.fork_rng(devices=[]):
@@ -134,8 +131,6 @@ def build_components(spec: SyntheticSpec) -> dict[str, object]:
 
 
 def pipeline_class(family: str):  # noqa: ANN201
-    import diffusers
-
     return {"wan": diffusers.WanPipeline, "cogvideox": diffusers.CogVideoXPipeline}[family]
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 PAD_ID = 0
@@ -309,7 +310,5 @@ def build_tiny(cfg: TinyConfig | None = None, *, trained: bool = True) -> KilnTi
         torch.manual_seed(cfg.init_seed)
         model = KilnTiny(cfg)
     if trained and cfg == TinyConfig() and TRAINED_WEIGHTS.is_file():
-        from safetensors.torch import load_file
-
         model.load_state_dict(load_file(TRAINED_WEIGHTS))
     return model.eval().requires_grad_(False)

@@ -30,44 +30,57 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
+from common.families import TINY
+from common.render import RenderFields
 from runtime.dlo import DLOHandle
 
 
-@dataclass(kw_only=True, slots=True)
-class VideoRequest:
-    prompt: str
+@dataclass(kw_only=True, frozen=True, slots=True)
+class VideoRequest(RenderFields):
+    """One render as the pipelines take it: the render fields (``common.render``), checked. A
+    field left out gets kiln-tiny's value (``common.families.TINY``), as `kiln render` does."""
+
+    width: int = TINY.defaults.width
+    height: int = TINY.defaults.height
+    num_frames: int = TINY.defaults.num_frames
+    fps: int = TINY.defaults.fps
+    num_inference_steps: int = TINY.defaults.num_inference_steps
+    guidance_scale: float = TINY.defaults.guidance_scale
     negative_prompt: str = ""
-    width: int = 64
-    height: int = 64
-    num_frames: int = 9
-    num_steps: int = 4
     seed: int = 0
-    guidance_scale: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
         if self.width <= 0 or self.height <= 0 or self.num_frames <= 0:
             raise ValueError(f"size and frames must be positive, got {self.width}x{self.height}, "
                              f"{self.num_frames} frames")
+
+    @classmethod
+    def of(cls, source: Any) -> VideoRequest:
+        """The request for a job: its render fields read off ``source`` by name (a job's row, or
+        any `RenderFields` with its seed set); no negative prompt is the empty one."""
+        values = {f.name: getattr(source, f.name) for f in fields(RenderFields)}
+        values["negative_prompt"] = values["negative_prompt"] or ""
+        return cls(**values)
 
 
 @dataclass(kw_only=True, slots=True)
 class DenoiseState:
     request: VideoRequest
     latents: torch.Tensor  # the current noisy latents, fp32
-    num_steps: int  # denoising steps this job runs
+    num_inference_steps: int  # denoising steps this job runs
     step_index: int = 0  # steps done so far
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific: embeddings, scheduler
 
     @property
     def done(self) -> bool:
-        return self.step_index >= self.num_steps
+        return self.step_index >= self.num_inference_steps
 
 
 class VideoPipeline(abc.ABC):
@@ -93,7 +106,7 @@ class VideoPipeline(abc.ABC):
 
     def step(self, state: DenoiseState) -> None:
         if state.done:
-            raise ValueError(f"the job has run all its {state.num_steps} steps")
+            raise ValueError(f"the job has run all its {state.num_inference_steps} steps")
         targets = [None if h is None else h.num_acquired + self.forwards_per_step * h.num_blocks
                    for h in self.handles]
         self._step_targets = targets
@@ -137,7 +150,7 @@ class VideoPipeline(abc.ABC):
         while not state.done:
             self.step(state)
             if on_step is not None:
-                on_step(state.step_index, state.num_steps)
+                on_step(state.step_index, state.num_inference_steps)
         return self.decode(state)
 
     def close(self) -> None:

@@ -7,9 +7,10 @@ streamed from the memory-mapped safetensors and never copied whole into any rank
 pipeline class (named in ``model_index.json``) then loads the tokenizer, text encoder, VAE and
 scheduler around those transformers. The offload mechanism knows nothing about the family.
 
-What differs per family is the denoising loop, and only that is written here, following each
-reference pipeline operation for operation so the output matches it bit for bit (CPU, fp32, the
-same number of CPU threads: kernels split their reductions by thread count):
+What differs per family is the denoising loop, and only that is written here (which loop a model
+gets, and the least size multiple it renders, come from its family in ``common.families``),
+following each reference pipeline operation for operation so the output matches it bit for bit
+(CPU, fp32, the same number of CPU threads: kernels split their reductions by thread count):
 ``WanPipeline`` (Wan2.1, Wan2.2 with two experts) and ``CogVideoXPipeline``. The loop is driven
 step by step (see ``runtime.pipelines.base``); each job keeps its own copy of the scheduler,
 whose multistep state belongs to that job.
@@ -24,8 +25,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import diffusers
+import diffusers.utils.logging as dlog
 import torch
+import transformers.utils.logging as tlog
+from diffusers import CogVideoXDPMScheduler
 
+from common.families import COGVIDEOX, FAMILIES, WAN, Family, family_of
 from runtime.dlo import DLOHandle, apply_dlo
 from runtime.models.loading import build_on_meta
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
@@ -38,8 +44,8 @@ TRANSFORMER_NAMES = ("transformer", "transformer_2")
 class DiffusersVideoPipeline(VideoPipeline):
     """Shared loading and request-tiled decode; subclasses hold one family's loop."""
 
-    #: diffusers pipeline class names this subclass drives.
-    pipeline_classes: ClassVar[tuple[str, ...]] = ()
+    #: The family this loop renders (its ``pipeline`` names this class).
+    family: ClassVar[Family]
     #: The reference pipeline's default text length.
     max_sequence_length: ClassVar[int] = 512
 
@@ -57,14 +63,14 @@ class DiffusersVideoPipeline(VideoPipeline):
     @staticmethod
     def load(model_dir: str | Path, *, group: Any = None, device: Any = None,
              use_allgather: bool = True) -> DiffusersVideoPipeline:
-        import diffusers
-
+        """The loop of the model's family (``common.families.family_of``) around its components."""
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
         name = index.get("_class_name", "")
-        family = next((c for c in _FAMILIES if name in c.pipeline_classes), None)
-        if family is None:
-            supported = sorted(n for c in _FAMILIES for n in c.pipeline_classes)
+        loop = PIPELINES.get(family_of(str(model_dir)).pipeline or "")
+        if loop is None:
+            supported = sorted(c for f in FAMILIES if f.pipeline in PIPELINES
+                               for c in f.diffusers_classes)
             raise ValueError(f"{model_dir}: pipeline {name!r} is not supported; kiln drives "
                              f"{', '.join(supported)}")
         # The engine's default device too, so every component lands on the same one.
@@ -100,7 +106,7 @@ class DiffusersVideoPipeline(VideoPipeline):
         pipe.vae.to(dev)
         if text_handle is None:
             pipe.text_encoder.to(dev)
-        return family(pipe, handles, device=dev, text_handle=text_handle)
+        return loop(pipe, handles, device=dev, text_handle=text_handle)
 
     def close(self) -> None:
         super().close()
@@ -149,9 +155,6 @@ class DiffusersVideoPipeline(VideoPipeline):
 def _quiet_loading() -> Iterator[None]:
     """No per-component progress bars or install hints from the hub libraries while loading:
     a render prints its own progress."""
-    import diffusers.utils.logging as dlog
-    import transformers.utils.logging as tlog
-
     levels = dlog.get_verbosity(), tlog.get_verbosity()
     bars = dlog.is_progress_bar_enabled(), tlog.is_progress_bar_enabled()
     dlog.set_verbosity_error()
@@ -168,7 +171,10 @@ def _quiet_loading() -> Iterator[None]:
                 log.enable_progress_bar()
 
 
-def _check_frames(r: VideoRequest, temporal: int, multiple: int) -> None:
+def _check_frames(r: VideoRequest, family: Family, temporal: int, multiple: int) -> None:
+    """``temporal`` and ``multiple``: what the loaded model's VAE and patch need; the family's
+    ``size_multiple`` is the least a size must be a multiple of."""
+    multiple = max(family.size_multiple, multiple)
     if (r.num_frames - 1) % temporal:
         raise ValueError(f"this model renders 1 + {temporal}k frames, got {r.num_frames}")
     if r.height % multiple or r.width % multiple:
@@ -179,7 +185,7 @@ def _check_frames(r: VideoRequest, temporal: int, multiple: int) -> None:
 class WanVideoPipeline(DiffusersVideoPipeline):
     """Wan2.1 / Wan2.2 T2V: CFG as two batch-1 forwards (conditional, then unconditional)."""
 
-    pipeline_classes = ("WanPipeline",)
+    family = WAN
     forwards_per_step = 2
     max_sequence_length = 512
 
@@ -187,8 +193,8 @@ class WanVideoPipeline(DiffusersVideoPipeline):
     def prepare(self, request: VideoRequest) -> DenoiseState:
         p, r = self.pipe, request
         patch = p.transformer.config.patch_size
-        _check_frames(r, p.vae_scale_factor_temporal,
-                      max(16, p.vae_scale_factor_spatial * max(patch[1], patch[2])))
+        _check_frames(r, self.family, p.vae_scale_factor_temporal,
+                      p.vae_scale_factor_spatial * max(patch[1], patch[2]))
         cfg = r.guidance_scale > 1.0
         cond, uncond = p.encode_prompt(prompt=r.prompt, negative_prompt=r.negative_prompt,
                                        do_classifier_free_guidance=cfg, num_videos_per_prompt=1,
@@ -196,17 +202,19 @@ class WanVideoPipeline(DiffusersVideoPipeline):
                                        device=self.device)
         dtype = self.transformers[0]._kiln_dtype
         scheduler = copy.deepcopy(p.scheduler)
-        scheduler.set_timesteps(r.num_steps, device=self.device)
+        scheduler.set_timesteps(r.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         latents = p.prepare_latents(1, p.transformer.config.in_channels, r.height, r.width,
                                     r.num_frames, torch.float32, self.device,
                                     self._generator(r.seed))
         ratio = p.config.boundary_ratio
-        return DenoiseState(request=r, latents=latents, num_steps=r.num_steps, extra={
+        extra = {
             "cond": cond.to(dtype), "uncond": uncond.to(dtype) if cfg else None,
             "scheduler": scheduler,
             "boundary": None if ratio is None else ratio * scheduler.config.num_train_timesteps,
-        })
+        }
+        return DenoiseState(request=r, latents=latents,
+                            num_inference_steps=r.num_inference_steps, extra=extra)
 
     @torch.no_grad()
     def _denoise(self, state: DenoiseState) -> None:
@@ -248,17 +256,15 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
     """CogVideoX T2V: CFG as one batch-2 forward ([unconditional, conditional]), as the
     reference pipeline runs it."""
 
-    pipeline_classes = ("CogVideoXPipeline",)
+    family = COGVIDEOX
     forwards_per_step = 1
     max_sequence_length = 226
 
     @torch.no_grad()
     def prepare(self, request: VideoRequest) -> DenoiseState:
-        from diffusers import CogVideoXDPMScheduler
-
         p, r = self.pipe, request
         config = p.transformer.config
-        _check_frames(r, p.vae_scale_factor_temporal,
+        _check_frames(r, self.family, p.vae_scale_factor_temporal,
                       p.vae_scale_factor_spatial * config.patch_size)
         cfg = r.guidance_scale > 1.0
         cond, uncond = p.encode_prompt(r.prompt, r.negative_prompt, cfg, num_videos_per_prompt=1,
@@ -266,7 +272,7 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
                                        device=self.device)
         embeds = torch.cat([uncond, cond], dim=0) if cfg else cond
         scheduler = copy.deepcopy(p.scheduler)
-        scheduler.set_timesteps(r.num_steps, device=self.device)
+        scheduler.set_timesteps(r.num_inference_steps, device=self.device)
         num_frames = r.num_frames
         latent_frames = (num_frames - 1) // p.vae_scale_factor_temporal + 1
         extra_frames = 0
@@ -280,12 +286,14 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
         rotary = (p._prepare_rotary_positional_embeddings(r.height, r.width, latents.size(1),
                                                           self.device)
                   if config.use_rotary_positional_embeddings else None)
-        return DenoiseState(request=r, latents=latents, num_steps=r.num_steps, extra={
+        extra = {
             "embeds": embeds, "cfg": cfg, "scheduler": scheduler, "rotary": rotary,
             "step_kwargs": p.prepare_extra_step_kwargs(generator, 0.0),
             "dpm": isinstance(scheduler, CogVideoXDPMScheduler), "old_pred": None,
             "extra_frames": extra_frames,
-        })
+        }
+        return DenoiseState(request=r, latents=latents,
+                            num_inference_steps=r.num_inference_steps, extra=extra)
 
     @torch.no_grad()
     def _denoise(self, state: DenoiseState) -> None:
@@ -317,4 +325,7 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
         return self.pipe.decode_latents(latents)
 
 
-_FAMILIES: tuple[type[DiffusersVideoPipeline], ...] = (WanVideoPipeline, CogVideoXVideoPipeline)
+#: The loop each family's ``pipeline`` names.
+PIPELINES: dict[str, type[DiffusersVideoPipeline]] = {
+    c.__name__: c for c in (WanVideoPipeline, CogVideoXVideoPipeline)}
+assert all(c.family.pipeline == name for name, c in PIPELINES.items())

@@ -17,9 +17,10 @@ from runtime.platform import default_device
 from runtime.tiling import map_tiles, plan_tiles
 
 
-def flow_sigmas(num_steps: int, shift: float) -> torch.Tensor:
-    """Noise levels from 1 to 0 (``num_steps + 1`` of them), shifted towards the noisy end."""
-    sigmas = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+def flow_sigmas(num_inference_steps: int, shift: float) -> torch.Tensor:
+    """Noise levels from 1 to 0 (``num_inference_steps + 1`` of them), shifted towards the noisy
+    end."""
+    sigmas = torch.linspace(1.0, 0.0, num_inference_steps + 1, dtype=torch.float64)
     return (shift * sigmas / (1 + (shift - 1) * sigmas)).to(torch.float32)
 
 
@@ -66,9 +67,9 @@ class TinyPipeline(VideoPipeline):
         return DenoiseState(
             request=request,
             latents=noise.to(self.device),
-            num_steps=request.num_steps,
+            num_inference_steps=request.num_inference_steps,
             extra={"cond": text[:1], "uncond": text[1:],
-                   "sigmas": flow_sigmas(request.num_steps, self.flow_shift)},
+                   "sigmas": flow_sigmas(request.num_inference_steps, self.flow_shift)},
         )
 
     @torch.no_grad()

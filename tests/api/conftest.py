@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from api.app import create_app
 from common.settings import Settings
-from storage import jobs as job_repo
+from storage import lifecycle
 from storage.models import Base, Job
 from storage.outputs import LocalStore, thumbnail_key, video_key
 from storage.users import create_api_key
@@ -52,14 +52,14 @@ class Api:
         """Finish a job the way a worker would -- guarded claim and finish through the
         repository, outputs through LocalStore -- without rendering anything."""
         with self.session() as s:
-            claim = job_repo.claim_job(s, job_id, worker_group_id="test-group", rank=0,
-                                       lease_seconds=60)
+            claim = lifecycle.claim_job(s, job_id, worker_group_id="test-group", rank=0,
+                                        lease_seconds=60)
             assert claim is not None
             self.store.put_bytes(video_key(job_id), video)
             self.store.put_bytes(thumbnail_key(job_id), thumb)
-            assert job_repo.finish_succeeded(s, job_id, claim.attempt_token,
-                                             video_key=video_key(job_id),
-                                             thumbnail_key=thumbnail_key(job_id))
+            assert lifecycle.finish_succeeded(s, job_id, claim.attempt_token,
+                                              video_key=video_key(job_id),
+                                              thumbnail_key=thumbnail_key(job_id))
 
 
 def make_settings(db_url: str, prefix: str, tmp_path: Path, **overrides: object) -> Settings:

@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
 from api.app import create_app
-from storage import jobs as job_repo
-from storage import ready
+from scheduler import queue_index
+from storage import lifecycle, queries
 from storage.models import Batch, Job
 
 DEFAULTS = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9,
@@ -61,7 +61,7 @@ def test_json_batch_queues_every_job_as_batch_class_with_defaults_and_window(api
     assert {(j.not_before, j.deadline) for j in rows} == {(opens, closes)}
     assert [j.num_inference_steps for j in rows] == [4, 4, 2] and rows[1].seed == 3
     assert {(j.width, j.num_frames) for j in rows} == {(64, 9)}
-    key = ready.ready_key(api.settings.redis_prefix, "batch", 5)
+    key = queue_index.ready_key(api.settings.redis_prefix, "batch", 5)
     assert [api.redis.zscore(key, j.id) for j in rows] == [opens.timestamp()] * 3
     listed = api.client.get("/v1/jobs", params={"batch_id": batch["id"]},
                             headers=api.auth("alice")).json()["data"]
@@ -204,26 +204,26 @@ def test_cancel_ends_queued_jobs_at_once_and_flags_running_ones(api) -> None:
     batch_id = batch.json()["id"]
     rows = _jobs(api, batch_id)
     with api.session() as s:
-        claim = job_repo.claim_job(s, rows[0].id, worker_group_id="g", rank=0, lease_seconds=60)
+        claim = lifecycle.claim_job(s, rows[0].id, worker_group_id="g", rank=0, lease_seconds=60)
         assert claim is not None
-        job_repo.heartbeat(s, rows[0].id, claim.attempt_token, step=1, lease_seconds=60)
+        lifecycle.heartbeat(s, rows[0].id, claim.attempt_token, step=1, lease_seconds=60)
     r = api.client.post(f"/v1/batches/{batch_id}/cancel", headers=api.auth("alice"))
     assert r.status_code == 200, r.text
     assert (r.json()["cancelled"], r.json()["cancel_requested"]) == (2, 1)
     assert r.json()["batch"]["counts"]["cancelled"] == 2
     assert r.json()["batch"]["counts"]["running"] == 1
-    key = ready.ready_key(api.settings.redis_prefix, "batch", 5)
+    key = queue_index.ready_key(api.settings.redis_prefix, "batch", 5)
     assert [api.redis.zscore(key, j.id) for j in rows[1:]] == [None, None]
     with api.session() as s:
         states = {j.id: (j.state, j.cancel_requested) for j in s.scalars(
             select(Job).where(Job.batch_id == batch_id))}
         assert states == {rows[0].id: ("running", True), rows[1].id: ("cancelled", True),
                           rows[2].id: ("cancelled", True)}
-        kinds = sorted(e.kind for j in rows for e in job_repo.job_events(s, j.id))
+        kinds = sorted(e.kind for j in rows for e in queries.job_events(s, j.id))
         assert kinds.count("cancelled") == 2 and kinds.count("cancel_requested") == 1
-        beat = job_repo.heartbeat(s, rows[0].id, claim.attempt_token, step=2, lease_seconds=60)
+        beat = lifecycle.heartbeat(s, rows[0].id, claim.attempt_token, step=2, lease_seconds=60)
         assert beat is not None and beat.cancel_requested
-        assert job_repo.finish_cancelled(s, rows[0].id, claim.attempt_token)
+        assert lifecycle.finish_cancelled(s, rows[0].id, claim.attempt_token)
     done = api.client.post(f"/v1/batches/{batch_id}/cancel", headers=api.auth("alice"))
     assert done.status_code == 409
 
@@ -233,9 +233,9 @@ def test_progress_and_eta_follow_finished_jobs(api) -> None:
                            "jobs": [{"prompt": f"p{i}"} for i in range(4)]}).json()["id"]
     rows = _jobs(api, batch_id)
     with api.session() as s:
-        claim = job_repo.claim_job(s, rows[1].id, worker_group_id="g", rank=1, lease_seconds=60)
+        claim = lifecycle.claim_job(s, rows[1].id, worker_group_id="g", rank=1, lease_seconds=60)
         assert claim is not None
-        job_repo.heartbeat(s, rows[1].id, claim.attempt_token, step=2, lease_seconds=60)
+        lifecycle.heartbeat(s, rows[1].id, claim.attempt_token, step=2, lease_seconds=60)
         # Started a minute ago, so the pace (and the ETA, rounded to 0.1 s) is not ~0 on a
         # fast machine.
         s.execute(update(Job).where(Job.id == rows[1].id)
@@ -260,13 +260,13 @@ def test_report_counts_final_states_with_reasons_throughput_render_time_and_link
     api.finish(rows[0].id)
     api.finish(rows[1].id)
     with api.session() as s:
-        claim = job_repo.claim_job(s, rows[2].id, worker_group_id="g", rank=0, lease_seconds=60)
+        claim = lifecycle.claim_job(s, rows[2].id, worker_group_id="g", rank=0, lease_seconds=60)
         assert claim is not None
-        job_repo.fail_job(s, rows[2].id, claim.attempt_token, error="the prompt is too hard")
+        lifecycle.fail_job(s, rows[2].id, claim.attempt_token, error="the prompt is too hard")
         past = datetime.now(UTC) - timedelta(seconds=1)
         s.execute(update(Job).where(Job.id == rows[3].id).values(deadline=past))
         s.commit()
-        assert job_repo.reap(s).expired == [rows[3].id]
+        assert lifecycle.reap(s).expired == [rows[3].id]
     api.client.post(f"/v1/jobs/{rows[4].id}/cancel", headers=api.auth("alice"))
     r = api.client.get(f"/v1/batches/{batch_id}/report", headers=api.auth("alice"))
     assert r.status_code == 200, r.text

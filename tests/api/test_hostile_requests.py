@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from storage import ready
+from scheduler import queue_index
 
 OK_BODY = {"prompt": "a red circle", "width": 64, "height": 64, "num_frames": 9,
            "num_inference_steps": 4}
@@ -135,7 +135,8 @@ CASES: list[tuple[str, str | None, str, str, dict[str, Any], int]] = [
 
 
 def _ready_members(api) -> list[tuple[str, list[bytes]]]:  # noqa: ANN001
-    return [(k, api.redis.zrange(k, 0, -1)) for k in ready.ready_keys(api.settings.redis_prefix)]
+    return [(k, api.redis.zrange(k, 0, -1))
+            for k in queue_index.ready_keys(api.settings.redis_prefix)]
 
 
 def test_hostile_requests_get_a_4xx_with_a_reason_and_change_nothing(api) -> None:  # noqa: ANN001

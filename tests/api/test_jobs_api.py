@@ -11,8 +11,8 @@ from sqlalchemy import text
 from api.app import create_app
 from api.service import QueueRoom
 from migrations import current_heads
-from storage import jobs as job_repo
-from storage import ready
+from scheduler import queue_index
+from storage import lifecycle
 from storage.workers import GroupReport, report_group
 
 
@@ -31,7 +31,7 @@ def test_submit_stores_a_queued_job_then_indexes_it_in_redis(api) -> None:
     assert (job["progress"], job["step"], job["total_steps"]) == (0.0, 0, 4)
     assert job["class"] == "interactive" and job["priority"] == 5
     assert job["fps"] == 8 and job["metadata"] == {"run": "n1"}  # kiln-tiny's own fps
-    key = ready.ready_key(api.settings.redis_prefix, "interactive", 5)
+    key = queue_index.ready_key(api.settings.redis_prefix, "interactive", 5)
     assert api.redis.zscore(key, job["id"]) is not None
     got = api.client.get(f"/v1/jobs/{job['id']}", headers=api.auth("alice")).json()
     assert got["id"] == job["id"] and got["status"] == "queued"
@@ -83,7 +83,7 @@ def test_cancel_queued_is_immediate_and_leaves_the_ready_index(api) -> None:
     r = api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.auth("alice"))
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
     assert r.json()["error"]["code"] == "cancelled"
-    key = ready.ready_key(api.settings.redis_prefix, "interactive", 5)
+    key = queue_index.ready_key(api.settings.redis_prefix, "interactive", 5)
     assert api.redis.zscore(key, job["id"]) is None
     again = api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.auth("alice"))
     assert again.status_code == 200 and again.json()["status"] == "cancelled"
@@ -92,9 +92,9 @@ def test_cancel_queued_is_immediate_and_leaves_the_ready_index(api) -> None:
 def test_cancel_running_sets_the_flag_the_rank_reads_at_its_next_step(api) -> None:
     job_id = _submit(api).json()["id"]
     with api.session() as s:
-        claim = job_repo.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=60)
+        claim = lifecycle.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=60)
         assert claim is not None
-        job_repo.heartbeat(s, job_id, claim.attempt_token, step=2, lease_seconds=60)
+        lifecycle.heartbeat(s, job_id, claim.attempt_token, step=2, lease_seconds=60)
     running = api.client.get(f"/v1/jobs/{job_id}", headers=api.auth("alice")).json()
     assert (running["status"], running["progress"], running["step"]) == ("running", 0.5, 2)
     assert running["queue_position"] is None and running["attempts"] == 1
@@ -102,9 +102,9 @@ def test_cancel_running_sets_the_flag_the_rank_reads_at_its_next_step(api) -> No
     assert r.status_code == 200
     assert (r.json()["status"], r.json()["cancel_requested"]) == ("running", True)
     with api.session() as s:
-        beat = job_repo.heartbeat(s, job_id, claim.attempt_token, step=3, lease_seconds=60)
+        beat = lifecycle.heartbeat(s, job_id, claim.attempt_token, step=3, lease_seconds=60)
         assert beat is not None and beat.cancel_requested
-        assert job_repo.finish_cancelled(s, job_id, claim.attempt_token)
+        assert lifecycle.finish_cancelled(s, job_id, claim.attempt_token)
     done = api.client.get(f"/v1/jobs/{job_id}", headers=api.auth("alice")).json()
     assert done["status"] == "cancelled"
 
@@ -195,7 +195,7 @@ def test_ready_index_is_rebuilt_from_the_database_after_redis_loses_it(api) -> N
     api.redis.delete(*api.redis.scan_iter(match=f"{prefix}*"))
     assert list(api.redis.scan_iter(match=f"{prefix}*")) == []
     api.app.state.reconcile()  # what startup and the periodic task run
-    key = ready.ready_key(prefix, "interactive", 5)
+    key = queue_index.ready_key(prefix, "interactive", 5)
     assert {m.decode() for m in api.redis.zrange(key, 0, -1)} == ids
 
 
@@ -204,8 +204,8 @@ def test_workers_lists_groups_ranks_memory_and_only_visible_jobs(api) -> None:
     bob_job = _submit(api, "bob").json()["id"]
     with api.session() as s:
         for rank, job_id in enumerate((alice_job, bob_job)):
-            assert job_repo.claim_job(s, job_id, worker_group_id="node1-123", rank=rank,
-                                      lease_seconds=60)
+            assert lifecycle.claim_job(s, job_id, worker_group_id="node1-123", rank=rank,
+                                       lease_seconds=60)
         report_group(s, GroupReport(
             id="node1-123", name="node1", host="node1", model="kiln-tiny", mode="allgather",
             platform="cpu", dp_size=2, world_size=2,
@@ -264,7 +264,7 @@ def test_deadline_and_not_before_are_stored_and_bounded(api) -> None:
     job = r.json()
     assert job["class"] == "batch"
     assert datetime.fromisoformat(job["not_before"]) == soon
-    key = ready.ready_key(api.settings.redis_prefix, "batch", 5)
+    key = queue_index.ready_key(api.settings.redis_prefix, "batch", 5)
     assert api.redis.zscore(key, job["id"]) == soon.timestamp()
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from api.schemas import JobCreate
+from api.schemas import JobCreate, VideoCreate
 from api.service import request_defaults, spec_from_job_create
-from common.families import BY_PIPELINE_CLASS, GENERIC, TINY
+from common.families import GENERIC, TINY, WAN
+from common.render import RenderFields
 from common.settings import Settings
 from storage.models import utcnow
 
@@ -20,10 +22,10 @@ def _model_dir(tmp_path: Path, class_name: str) -> str:
 def test_each_model_gets_what_it_was_made_for(tmp_path: Path) -> None:
     wan = _model_dir(tmp_path, "WanPipeline")
     s = Settings(models=["kiln-tiny", wan])
-    assert request_defaults(s, "kiln-tiny") == TINY
-    assert request_defaults(s, wan) == BY_PIPELINE_CLASS["WanPipeline"]
+    assert request_defaults(s, "kiln-tiny") == TINY.defaults
+    assert request_defaults(s, wan) == WAN.defaults
     # A model this API does not serve is never looked up on disk.
-    assert request_defaults(Settings(), wan) == GENERIC
+    assert request_defaults(Settings(), wan) == GENERIC.defaults
 
 
 def test_a_default_setting_wins_for_every_model() -> None:
@@ -37,3 +39,10 @@ def test_a_bare_prompt_becomes_a_kiln_tiny_job_of_its_native_shape() -> None:
                                 utcnow())
     assert (spec.width, spec.height, spec.num_frames, spec.num_inference_steps, spec.fps) == (
         64, 64, 9, 4, 8)
+
+
+def test_the_request_bodies_take_the_render_fields_under_their_names() -> None:
+    names = {f.name for f in dataclasses.fields(RenderFields)}
+    assert names <= set(JobCreate.model_fields)
+    # The OpenAI body gives size and length as ``size`` and ``seconds``.
+    assert names - set(VideoCreate.model_fields) == {"width", "height", "num_frames"}

@@ -28,7 +28,7 @@ SPECS = {
     "cogvideox": SyntheticSpec(family="cogvideox"),
 }
 REQUEST = VideoRequest(prompt="a red circle moving left", negative_prompt="blurry",
-                       width=64, height=64, num_frames=9, num_steps=3, seed=0,
+                       width=64, height=64, num_frames=9, num_inference_steps=3, seed=0,
                        guidance_scale=5.0)
 
 
@@ -43,7 +43,8 @@ def reference_frames(name: str, request: VideoRequest = REQUEST) -> np.ndarray:
     pipe.set_progress_bar_config(disable=True)
     out = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
                height=request.height, width=request.width, num_frames=request.num_frames,
-               num_inference_steps=request.num_steps, guidance_scale=request.guidance_scale,
+               num_inference_steps=request.num_inference_steps,
+               guidance_scale=request.guidance_scale,
                generator=torch.Generator().manual_seed(request.seed), output_type="np")
     return out.frames[0]
 
@@ -93,8 +94,8 @@ def test_wan22_ranks_in_different_expert_phases_stay_in_step(model_dirs):
     # 4 steps: t = 999, 900, 750, 500; 6 steps: 999, 937, 857, 750, 600, 376. With the boundary
     # at 600, step 3 runs the low-noise expert on rank 0 and the high-noise one on rank 1, and
     # rank 0 idles steps 4-5.
-    requests = [VideoRequest(prompt="a red ball", num_steps=4, seed=1),
-                VideoRequest(prompt="a blue cat", num_steps=6, seed=2)]
+    requests = [VideoRequest(prompt="a red ball", num_inference_steps=4, seed=1),
+                VideoRequest(prompt="a blue cat", num_inference_steps=6, seed=2)]
     frames = generate_on_ranks(str(model_dirs["wan22"]), requests, dp=2, timeout_s=120)
     threads = torch.get_num_threads()
     torch.set_num_threads(rank_threads(2))  # as on each rank
@@ -145,7 +146,7 @@ def test_wan22_steps_gather_both_experts_every_step(model_dirs):
 def test_decode_in_one_frame_tiles_equals_decode_in_one_pass(model_dirs):
     pipe = DiffusersVideoPipeline.load(model_dirs["wan"])
     try:
-        state = pipe.prepare(VideoRequest(prompt="a cat", num_steps=1))
+        state = pipe.prepare(VideoRequest(prompt="a cat", num_inference_steps=1))
         pipe.step(state)
         whole = pipe.decode(state)
         assert pipe.last_decode_plan.num_tiles == 1

@@ -9,7 +9,7 @@ from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.tiny import TinyPipeline
 
 REQUEST = VideoRequest(prompt="a red circle moving left", width=64, height=64, num_frames=9,
-                       num_steps=4, seed=0)
+                       num_inference_steps=4, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_every_step_gathers_forwards_per_step_forwards_whatever_it_computes(
     counts, hook = _count_forwards(dlo_pipe)
     try:
         state = dlo_pipe.prepare(VideoRequest(prompt="a cat", guidance_scale=guidance,
-                                              num_steps=2))
+                                              num_inference_steps=2))
         before = handle.num_acquired
         assert counts["forward"] == 0  # prepare runs no streamed forward
         dlo_pipe.step(state)
@@ -82,7 +82,7 @@ def test_a_forward_that_raises_still_completes_the_steps_gathers(dlo_pipe, monke
     def broken(*args, **kwargs):
         raise RuntimeError("bad activations")
 
-    state = dlo_pipe.prepare(VideoRequest(prompt="a cat", num_steps=2))
+    state = dlo_pipe.prepare(VideoRequest(prompt="a cat", num_inference_steps=2))
     before = handle.num_acquired
     monkeypatch.setattr(block, "forward", broken)
     with pytest.raises(RuntimeError, match="bad activations"):
@@ -94,7 +94,7 @@ def test_a_forward_that_raises_still_completes_the_steps_gathers(dlo_pipe, monke
 
 
 def test_stepping_a_finished_job_is_refused(dlo_pipe):
-    state = dlo_pipe.prepare(VideoRequest(prompt="a cat", num_steps=1))
+    state = dlo_pipe.prepare(VideoRequest(prompt="a cat", num_inference_steps=1))
     dlo_pipe.step(state)
     assert state.done
     with pytest.raises(ValueError, match="all its 1 steps"):

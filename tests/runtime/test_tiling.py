@@ -70,7 +70,8 @@ def test_tiny_decoder_tiled_equals_one_pass_bit_for_bit(tile):
 
 def test_pipeline_decode_with_little_free_memory_equals_decode_with_plenty():
     pipe = TinyPipeline.load(offload=False)
-    state = pipe.prepare(VideoRequest(prompt="a cat", num_frames=17, num_steps=2))
+    state = pipe.prepare(VideoRequest(prompt="a cat", num_frames=17,
+                                       num_inference_steps=2))
     while not state.done:
         pipe.step(state)
     roomy = pipe.decode(state)

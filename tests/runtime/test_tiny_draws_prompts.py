@@ -46,7 +46,8 @@ def test_trained_decoder_draws_encoded_clips_back_close_to_the_originals():
     for video, colour, motion in zip(clips.video_BNHW3, clips.colour, clips.motion,
                                      strict=True):
         latents = encode_video(pipe.cfg, video[None])
-        state = DenoiseState(request=VideoRequest(prompt=""), latents=latents, num_steps=0)
+        state = DenoiseState(request=VideoRequest(prompt=""), latents=latents,
+                             num_inference_steps=0)
         frames = pipe.decode(state)
         assert frames.shape == (9, 64, 64, 3)
         assert (frames - (video + 1) / 2).abs().mean() < 0.03  # in [0, 1]: about 8 of 255

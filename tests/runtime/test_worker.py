@@ -13,8 +13,8 @@ import pytest
 from servers import Service, running_service
 from sqlalchemy import select
 
-from storage import jobs as job_repo
-from storage import ready
+from scheduler import queue_index
+from storage import submission
 from storage.models import User
 
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}
@@ -46,10 +46,10 @@ def test_job_the_model_cannot_run_fails_with_a_reason_and_the_group_renders_the_
     # 8 frames passes no API (the VAE needs 1 + 4k); stored directly, it reaches the worker.
     with service.db.session() as s:
         alice = s.scalars(select(User).where(User.name == "alice")).one()
-        spec = job_repo.JobSpec(model="kiln-tiny", prompt="eight frames", width=64, height=64,
-                                num_frames=8, fps=8, num_inference_steps=2, guidance_scale=5.0)
-        bad = job_repo.create_job(s, alice, spec, request_hash="x" * 64).job
-        ready.add(redis_client, service.settings.redis_prefix, [bad])
+        spec = submission.JobSpec(model="kiln-tiny", prompt="eight frames", width=64, height=64,
+                                  num_frames=8, fps=8, num_inference_steps=2, guidance_scale=5.0)
+        bad = submission.create_job(s, alice, spec, request_hash="x" * 64).job
+        queue_index.add(redis_client, service.settings.redis_prefix, [bad])
     with _client(service) as client:
         good = client.post("/v1/jobs", json={**JOB, "prompt": "fine", "num_inference_steps": 2})
         assert good.status_code == 201

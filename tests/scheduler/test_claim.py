@@ -10,11 +10,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from scheduler import claim as sched
-from scheduler import index
+from scheduler import queue_index
 from scheduler.policy import RunningJob
-from storage import jobs, ready
-from storage.jobs import JobSpec
+from storage import lifecycle, queries, submission
 from storage.models import Job, JobClass, JobState, User
+from storage.submission import JobSpec
 from storage.users import get_or_create_user
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -33,15 +33,15 @@ def submit(session: Session, r: redis.Redis, prefix: str, owner: User, *, now: d
         num_inference_steps=4, guidance_scale=5.0, seed=1,
     )
     fields.update(overrides)
-    job = jobs.create_job(session, owner, JobSpec(**fields), request_hash="h",  # type: ignore[arg-type]
-                          now=now).job
-    ready.add(r, prefix, [job])
+    job = submission.create_job(session, owner, JobSpec(**fields), request_hash="h",  # type: ignore[arg-type]
+                                now=now).job
+    queue_index.add(r, prefix, [job])
     return job
 
 
 def claim(session: Session, r: redis.Redis, prefix: str, ranks: list[int], *, group: str = "g1",
           model: str = "kiln-tiny", now: datetime = T0 + timedelta(seconds=1),
-          running: list[RunningJob] | None = None) -> list[tuple[int, jobs.Claim]]:
+          running: list[RunningJob] | None = None) -> list[tuple[int, lifecycle.Claim]]:
     return sched.claim_for_group(session, r, prefix=prefix, group_id=group, model=model,
                                  free_ranks=ranks, running=running or [], lease_seconds=60,
                                  now=now)
@@ -61,8 +61,8 @@ def test_claims_one_job_per_free_rank_in_priority_order_and_clears_their_ready_e
     assert rows[high.id].state == "running" and rows[high.id].worker_group_id == "g1"
     assert rows[high.id].rank == 0 and rows[low.id].rank == 1
     assert rows[batch.id].state == "queued"
-    assert ready.position(redis_client, redis_prefix, high) is None
-    assert ready.position(redis_client, redis_prefix, batch) == 0
+    assert queue_index.position(redis_client, redis_prefix, high) is None
+    assert queue_index.position(redis_client, redis_prefix, batch) == 0
 
 
 def test_only_jobs_of_the_groups_model_are_claimed(
@@ -87,8 +87,8 @@ def test_a_job_past_its_deadline_ends_expired_with_the_reason_and_is_not_claimed
     row = session.get(Job, late.id)
     assert row is not None and row.state == JobState.EXPIRED
     assert row.error_code == "expired" and "deadline passed" in (row.error or "")
-    assert [e.kind for e in jobs.job_events(session, late.id)] == ["created", "expired"]
-    assert ready.position(redis_client, redis_prefix, late) is None
+    assert [e.kind for e in queries.job_events(session, late.id)] == ["created", "expired"]
+    assert queue_index.position(redis_client, redis_prefix, late) is None
 
 
 def test_a_job_waits_for_its_not_before(
@@ -108,15 +108,15 @@ def test_a_stale_entry_is_dropped_and_its_rank_goes_to_the_next_job(
     alice = user(session, "alice")
     first = submit(session, redis_client, redis_prefix, alice, priority=9)
     second = submit(session, redis_client, redis_prefix, alice, priority=1)
-    index.ensure_built(session, redis_client, redis_prefix)
-    assert redis_client.hlen(index.jobs_key(redis_prefix)) == 2
+    queue_index.ensure_built(session, redis_client, redis_prefix)
+    assert redis_client.hlen(queue_index.jobs_key(redis_prefix)) == 2
     # Claimed behind the index's back (another group that has not cleaned up yet).
-    assert jobs.claim_job(session, first.id, worker_group_id="other", lease_seconds=60,
-                          now=T0) is not None
+    assert lifecycle.claim_job(session, first.id, worker_group_id="other", lease_seconds=60,
+                               now=T0) is not None
     got = claim(session, redis_client, redis_prefix, [0])
     assert [c.job.id for _, c in got] == [second.id]
-    assert redis_client.zcard(ready.ready_key(redis_prefix, "interactive", 9)) == 0
-    assert redis_client.hlen(index.jobs_key(redis_prefix)) == 0
+    assert redis_client.zcard(queue_index.ready_key(redis_prefix, "interactive", 9)) == 0
+    assert redis_client.hlen(queue_index.jobs_key(redis_prefix)) == 0
 
 
 def test_two_groups_claiming_at_once_never_get_the_same_job(
@@ -150,11 +150,11 @@ def test_record_result_teaches_the_cost_model_and_corrects_the_users_charge(
     alice = user(session, "alice")
     submit(session, redis_client, redis_prefix, alice, num_inference_steps=4)
     [(_, c)] = claim(session, redis_client, redis_prefix, [0])
-    served = redis_client.hget(index.served_key(redis_prefix, "interactive"), str(alice.id))
+    served = redis_client.hget(queue_index.served_key(redis_prefix, "interactive"), str(alice.id))
     assert served is not None and float(served) > 0
     sched.record_result(redis_client, prefix=redis_prefix, job_id=c.job.id, model="kiln-tiny",
                         num_tokens=48, num_steps=4, render_seconds=2.0)
-    served = redis_client.hget(index.served_key(redis_prefix, "interactive"), str(alice.id))
+    served = redis_client.hget(queue_index.served_key(redis_prefix, "interactive"), str(alice.id))
     assert served is not None and abs(float(served) - 2.0) < 1e-9
     costs = sched.load_costs(redis_client, redis_prefix)
     assert abs(costs.step_seconds("kiln-tiny", 48) - 0.5) < 1e-9
@@ -182,15 +182,15 @@ def test_the_index_holds_only_queued_jobs_and_is_empty_once_they_are_claimed(
     alice = user(session, "alice")
     ids = [submit(session, redis_client, redis_prefix, alice).id for _ in range(5)]
     cancelled = submit(session, redis_client, redis_prefix, alice)
-    index.ensure_built(session, redis_client, redis_prefix)
-    assert jobs.request_cancel(session, cancelled.id, alice) is not None
-    assert index.reconcile(session, redis_client, redis_prefix) == index.Reconciled(
+    queue_index.ensure_built(session, redis_client, redis_prefix)
+    assert lifecycle.request_cancel(session, cancelled.id, alice) is not None
+    assert queue_index.reconcile(session, redis_client, redis_prefix) == queue_index.Reconciled(
         added=0, removed=1)
     got: list[str] = []
     while claims := claim(session, redis_client, redis_prefix, [0, 1]):
         got += [c.job.id for _, c in claims]
     assert sorted(got) == sorted(ids)
-    left = {k.split(":", 2)[2] for k in index.index_keys(redis_client, redis_prefix)}
+    left = {k.split(":", 2)[2] for k in queue_index.index_keys(redis_client, redis_prefix)}
     # Only per-class accounting and markers remain: no queue, head or job entry.
     assert left <= {"sched:built", "sched:served:interactive", "sched:vtime:interactive"} | {
         f"sched:charge:{i}" for i in ids}
@@ -202,9 +202,9 @@ def test_a_requeued_job_is_indexed_again_and_claimed(
     alice = user(session, "alice")
     job = submit(session, redis_client, redis_prefix, alice)
     [(_, first)] = claim(session, redis_client, redis_prefix, [0])
-    assert jobs.fail_job(session, job.id, first.attempt_token, error="worker lost",
-                         retryable=True) == JobState.QUEUED
-    ready.add(redis_client, redis_prefix, [session.get(Job, job.id)])  # type: ignore[list-item]
+    assert lifecycle.fail_job(session, job.id, first.attempt_token, error="worker lost",
+                              retryable=True) == JobState.QUEUED
+    queue_index.add(redis_client, redis_prefix, [session.get(Job, job.id)])  # type: ignore[list-item]
     [(_, second)] = claim(session, redis_client, redis_prefix, [1])
     assert second.job.id == job.id and second.attempt_token != first.attempt_token
 
@@ -225,3 +225,31 @@ def test_a_free_rank_gets_the_job_closest_in_step_cost_to_what_the_other_rank_ru
     [(rank, c)] = claim(session, redis_client, redis_prefix, [1], running=running,
                         now=T0 + timedelta(seconds=3))
     assert (rank, c.job.id) == (1, big.id)  # not the older small one
+
+
+def test_a_flushed_redis_is_rebuilt_from_the_database_by_the_next_claim(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    low = submit(session, redis_client, redis_prefix, alice, priority=1)
+    high = submit(session, redis_client, redis_prefix, alice, priority=8)
+    redis_client.delete(*redis_client.scan_iter(match=f"{redis_prefix}*"))
+    assert queue_index.position(redis_client, redis_prefix, low) is None
+    got = claim(session, redis_client, redis_prefix, [0])
+    assert [c.job.id for _, c in got] == [high.id]
+    assert queue_index.position(redis_client, redis_prefix, low) == 0
+    assert redis_client.hkeys(queue_index.jobs_key(redis_prefix)) == [low.id.encode()]
+
+
+def test_reconcile_puts_back_a_queue_position_lost_from_redis(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    first = submit(session, redis_client, redis_prefix, alice)
+    second = submit(session, redis_client, redis_prefix, alice, now=T0 + timedelta(seconds=1))
+    redis_client.zrem(queue_index.ready_key(redis_prefix, "interactive", 5), first.id)
+    assert queue_index.position(redis_client, redis_prefix, first) is None
+    assert queue_index.reconcile(session, redis_client, redis_prefix) == queue_index.Reconciled(
+        added=0, removed=0)
+    assert queue_index.position(redis_client, redis_prefix, first) == 0
+    assert queue_index.position(redis_client, redis_prefix, second) == 1

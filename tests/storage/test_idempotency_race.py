@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from storage import batches, jobs
-from storage.jobs import JobSpec
+from storage import batches, idempotency, submission
 from storage.models import Batch, Job, User
+from storage.submission import JobSpec
 from storage.users import get_or_create_user
 
 if TYPE_CHECKING:
@@ -53,15 +53,17 @@ def test_a_job_request_that_loses_the_key_race_replays_or_conflicts(
     db: Database, session: Session, monkeypatch: pytest.MonkeyPatch, winner_hash: str,
 ) -> None:
     owner = _owner(session)
-    step, winner = _after_a_rival(db, owner, jobs.new_job_row, lambda s, user: jobs.create_job(
-        s, user, spec(), request_hash=winner_hash, idempotency_key="k"))
-    monkeypatch.setattr(jobs, "new_job_row", step)
+    step, winner = _after_a_rival(
+        db, owner, submission.new_job_row, lambda s, user: submission.create_job(
+            s, user, spec(), request_hash=winner_hash, idempotency_key="k"))
+    monkeypatch.setattr(submission, "new_job_row", step)
     if winner_hash == "a":
-        result = jobs.create_job(session, owner, spec(), request_hash="a", idempotency_key="k")
+        result = submission.create_job(session, owner, spec(), request_hash="a",
+                                       idempotency_key="k")
         assert not result.created and result.job.id == winner[0].job.id
     else:
-        with pytest.raises(jobs.IdempotencyConflict):
-            jobs.create_job(session, owner, spec(), request_hash="a", idempotency_key="k")
+        with pytest.raises(idempotency.IdempotencyConflict):
+            submission.create_job(session, owner, spec(), request_hash="a", idempotency_key="k")
     assert session.scalar(select(func.count()).select_from(Job)) == 1
 
 
@@ -80,7 +82,7 @@ def test_a_batch_request_that_loses_the_key_race_replays_or_conflicts(
         assert not result.created and result.jobs == []
         assert result.batch.id == winner[0].batch.id
     else:
-        with pytest.raises(jobs.IdempotencyConflict):
+        with pytest.raises(idempotency.IdempotencyConflict):
             batches.create_batch(session, owner, [spec(), spec()], request_hash="a",
                                  idempotency_key="k", max_queued=100)
     assert session.scalar(select(func.count()).select_from(Batch)) == 1

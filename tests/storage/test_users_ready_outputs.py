@@ -15,10 +15,11 @@ from sqlalchemy import create_engine, inspect, make_url, select, text
 from sqlalchemy.orm import Session
 
 import migrations
-from storage import jobs, ready
-from storage.jobs import JobSpec
+from scheduler import queue_index
+from storage import lifecycle, queries, submission
 from storage.models import ApiKey, Base, JobClass
 from storage.outputs import LocalStore, S3Store, thumbnail_key, video_key
+from storage.submission import JobSpec
 from storage.users import authenticate, create_api_key, revoke_api_key
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -54,36 +55,36 @@ def test_ready_index_is_rebuilt_after_its_keys_are_flushed(
 ) -> None:
     alice = create_api_key(session, "alice").user
     made = [
-        jobs.create_job(session, alice, _spec(priority=p, job_class=c), request_hash=str(i),
-                        now=T0 + timedelta(seconds=i)).job
+        submission.create_job(session, alice, _spec(priority=p, job_class=c), request_hash=str(i),
+                              now=T0 + timedelta(seconds=i)).job
         for i, (p, c) in enumerate([(5, JobClass.INTERACTIVE), (9, JobClass.BATCH),
                                     (5, JobClass.INTERACTIVE)])
     ]
-    ready.add(redis_client, redis_prefix, made)
-    first = ready_key = ready.ready_key(redis_prefix, "interactive", 5)
+    queue_index.add(redis_client, redis_prefix, made)
+    first = ready_key = queue_index.ready_key(redis_prefix, "interactive", 5)
     assert [m.decode() for m in redis_client.zrange(first, 0, -1)] == [made[0].id, made[2].id]
 
     # Redis loses every kiln key; nothing is lost because the database is the truth.
     redis_client.delete(*redis_client.scan_iter(match=f"{redis_prefix}*"))
     # A job that is no longer queued left a stale entry in a surviving index.
-    jobs.request_cancel(session, made[2].id, alice)
+    lifecycle.request_cancel(session, made[2].id, alice)
     redis_client.zadd(ready_key, {made[2].id: 1.0})
-    result = ready.rebuild_ready_index(session, redis_client, redis_prefix)
+    result = queue_index.reconcile(session, redis_client, redis_prefix)
     assert (result.added, result.removed) == (2, 1)
     assert [m.decode() for m in redis_client.zrange(ready_key, 0, -1)] == [made[0].id]
-    batch_key = ready.ready_key(redis_prefix, "batch", 9)
+    batch_key = queue_index.ready_key(redis_prefix, "batch", 9)
     assert redis_client.zscore(batch_key, made[1].id) == pytest.approx((T0 + timedelta(
         seconds=1)).timestamp())
     # The serving order: interactive 9..0 first, then batch.
-    keys = ready.ready_keys(redis_prefix)
+    keys = queue_index.ready_keys(redis_prefix)
     assert keys[0].endswith("interactive:9") and keys[10].endswith("batch:9") and len(keys) == 20
 
 
 def test_ready_score_is_not_before_so_future_jobs_are_not_yet_due(session: Session) -> None:
     alice = create_api_key(session, "alice").user
-    later = jobs.create_job(session, alice, _spec(not_before=T0 + timedelta(hours=2)),
-                            request_hash="x", now=T0).job
-    assert ready.score(later) == (T0 + timedelta(hours=2)).timestamp()
+    later = submission.create_job(session, alice, _spec(not_before=T0 + timedelta(hours=2)),
+                                  request_hash="x", now=T0).job
+    assert queue_index.due(later) == (T0 + timedelta(hours=2)).timestamp()
 
 
 def test_local_store_writes_atomically_under_job_id_keys(tmp_path: Path) -> None:
@@ -173,15 +174,15 @@ def test_index_position_agrees_with_the_database_count(
 ) -> None:
     alice = create_api_key(session, "alice").user
     made = [
-        jobs.create_job(session, alice, _spec(priority=p, job_class=c), request_hash=str(i),
-                        now=T0 + timedelta(seconds=i)).job
+        submission.create_job(session, alice, _spec(priority=p, job_class=c), request_hash=str(i),
+                              now=T0 + timedelta(seconds=i)).job
         for i, (p, c) in enumerate([(5, JobClass.BATCH), (5, JobClass.INTERACTIVE),
                                     (9, JobClass.INTERACTIVE), (5, JobClass.INTERACTIVE)])
     ]
-    ready.add(redis_client, redis_prefix, made)
-    from_index = [ready.position(redis_client, redis_prefix, j) for j in made]
-    assert from_index == [jobs.queue_position(session, j) for j in made] == [3, 1, 0, 2]
-    jobs.request_cancel(session, made[2].id, alice)
-    ready.remove(redis_client, redis_prefix, made[2])
-    assert ready.position(redis_client, redis_prefix, made[2]) is None
-    assert ready.position(redis_client, redis_prefix, made[1]) == 0
+    queue_index.add(redis_client, redis_prefix, made)
+    from_index = [queue_index.position(redis_client, redis_prefix, j) for j in made]
+    assert from_index == [queries.queue_position(session, j) for j in made] == [3, 1, 0, 2]
+    lifecycle.request_cancel(session, made[2].id, alice)
+    queue_index.remove(redis_client, redis_prefix, [made[2].id])
+    assert queue_index.position(redis_client, redis_prefix, made[2]) is None
+    assert queue_index.position(redis_client, redis_prefix, made[1]) == 0

@@ -11,10 +11,10 @@ from sqlalchemy.orm import Session
 
 from common.settings import Settings
 from kiln.tasks import Context
-from storage import jobs
-from storage.jobs import JobSpec
+from storage import lifecycle, submission
 from storage.models import Job, User
 from storage.outputs import thumbnail_key, video_key
+from storage.submission import JobSpec
 from storage.users import get_or_create_user
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -38,28 +38,28 @@ def submit(session: Session, *, now: datetime = T0, owner: str = "alice", max_at
                                   seed=1)
     values.update(fields)
     owner_row = user(session, owner)
-    return jobs.create_job(session, owner_row, JobSpec(**values), request_hash="h",
-                           max_attempts=max_attempts, now=now).job
+    return submission.create_job(session, owner_row, JobSpec(**values), request_hash="h",
+                                 max_attempts=max_attempts, now=now).job
 
 
 def succeed(ctx: Context, session: Session, job_id: str, *, now: datetime = T0) -> None:
     """Claims and finishes the job with a video and thumbnail in the store."""
-    claim = jobs.claim_job(session, job_id, worker_group_id="g", rank=0, lease_seconds=60,
-                           now=now)
+    claim = lifecycle.claim_job(session, job_id, worker_group_id="g", rank=0, lease_seconds=60,
+                                now=now)
     assert claim is not None
     ctx.store.put_bytes(video_key(job_id), b"mp4")
     ctx.store.put_bytes(thumbnail_key(job_id), b"png")
-    assert jobs.finish_succeeded(session, job_id, claim.attempt_token,
-                                 video_key=video_key(job_id), thumbnail_key=thumbnail_key(job_id),
-                                 now=now)
+    assert lifecycle.finish_succeeded(session, job_id, claim.attempt_token,
+                                      video_key=video_key(job_id),
+                                      thumbnail_key=thumbnail_key(job_id), now=now)
 
 
 def fail(session: Session, job_id: str, *, now: datetime = T0) -> None:
-    claim = jobs.claim_job(session, job_id, worker_group_id="g", rank=0, lease_seconds=60,
-                           now=now)
+    claim = lifecycle.claim_job(session, job_id, worker_group_id="g", rank=0, lease_seconds=60,
+                                now=now)
     assert claim is not None
-    assert jobs.fail_job(session, job_id, claim.attempt_token, error="the prompt was refused",
-                         code="bad_prompt", now=now) is not None
+    assert lifecycle.fail_job(session, job_id, claim.attempt_token, error="the prompt was refused",
+                              code="bad_prompt", now=now) is not None
 
 
 def user(session: Session, name: str = "alice") -> User:

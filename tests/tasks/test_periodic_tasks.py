@@ -8,13 +8,14 @@ from datetime import timedelta
 from task_helpers import T0, make_settings, submit, succeed
 
 from kiln.tasks import Context, beat_schedule, clean_up, reap_leases, reconcile
-from storage import jobs, ready
+from scheduler import queue_index
+from storage import lifecycle, queries
 from storage.models import Job, JobState, utcnow
 from storage.outputs import thumbnail_key, video_key
 
 
 def _ready_ids(ctx: Context) -> set[str]:
-    return {m.decode() for key in ready.ready_keys(ctx.settings.redis_prefix)
+    return {m.decode() for key in queue_index.ready_keys(ctx.settings.redis_prefix)
             for m in ctx.redis.zrange(key, 0, -1)}
 
 
@@ -28,8 +29,8 @@ def test_reaper_requeues_lapsed_leases_into_the_ready_index_and_reports_finished
                                webhook_url="http://127.0.0.1:9/hook").id
         healthy = submit(s).id
         for job_id in (lapsed, last_try, quiet_dead):
-            assert jobs.claim_job(s, job_id, worker_group_id="g", lease_seconds=60, now=T0)
-        assert jobs.claim_job(s, healthy, worker_group_id="g", lease_seconds=600, now=T0)
+            assert lifecycle.claim_job(s, job_id, worker_group_id="g", lease_seconds=60, now=T0)
+        assert lifecycle.claim_job(s, healthy, worker_group_id="g", lease_seconds=600, now=T0)
 
     out = reap_leases(ctx, now=T0 + timedelta(minutes=2))
 
@@ -54,7 +55,7 @@ def test_reconciliation_restores_a_flushed_index_and_drops_stale_entries(ctx: Co
         done = submit(s)
         succeed(ctx, s, done.id)
     # Redis lost the queued jobs, and still lists the finished one.
-    ctx.redis.zadd(ready.ready_key(ctx.settings.redis_prefix, done.class_, done.priority),
+    ctx.redis.zadd(queue_index.ready_key(ctx.settings.redis_prefix, done.class_, done.priority),
                    {done.id: 0})
 
     out = reconcile(ctx)
@@ -72,8 +73,8 @@ def test_retention_deletes_old_outputs_and_keeps_the_rows_and_newer_outputs(
         recent = submit(s, now=now - timedelta(days=10)).id
         succeed(ctx, s, recent, now=now - timedelta(days=10))
         running = submit(s, now=now - timedelta(days=40)).id
-        assert jobs.claim_job(s, running, worker_group_id="g", lease_seconds=60,
-                              now=now - timedelta(days=40))
+        assert lifecycle.claim_job(s, running, worker_group_id="g", lease_seconds=60,
+                                   now=now - timedelta(days=40))
 
     assert clean_up(ctx, now=now) == [old]  # retention_days defaults to 30
 
@@ -83,7 +84,7 @@ def test_retention_deletes_old_outputs_and_keeps_the_rows_and_newer_outputs(
         row = s.get(Job, old)
         assert row is not None and row.state == JobState.SUCCEEDED
         assert (row.output_video_key, row.output_thumbnail_key) == (None, None)
-        assert [e.kind for e in jobs.job_events(s, old)][-1] == "purged"
+        assert [e.kind for e in queries.job_events(s, old)][-1] == "purged"
         kept = s.get(Job, recent)
         assert kept is not None and kept.output_video_key == video_key(recent)
     assert clean_up(ctx, now=now) == []  # idempotent

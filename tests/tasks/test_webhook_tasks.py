@@ -19,7 +19,7 @@ from common.procs import free_port
 from common.settings import get_settings
 from kiln import signing, tasks
 from kiln.tasks import Context, deliver, sweep
-from storage import jobs, webhooks
+from storage import lifecycle, webhooks
 from storage.models import utcnow
 
 
@@ -161,7 +161,7 @@ def test_the_sweeper_finds_owed_webhooks_from_the_database_alone(
         in_flight = submit(s, now=recent, webhook_url=url).id
         succeed(ctx, s, in_flight, now=recent)
         cancelled = submit(s, now=recent, webhook_url=url).id
-        assert jobs.request_cancel(s, cancelled, user(s), now=recent) is not None
+        assert lifecycle.request_cancel(s, cancelled, user(s), now=recent) is not None
     receiver.fail_first = 0
     assert deliver(ctx, delivered, now=recent).state == "delivered"
     with ctx.sessions() as s:

@@ -34,8 +34,8 @@ def test_finishing_a_job_with_a_webhook_enqueues_its_delivery_and_others_enqueue
     coordinator = Coordinator(settings, WorkerConfig(), 1, "allgather", "cpu")
     try:
         coordinator.record([
-            RankStatus(rank=0, job_id=job_id, attempt_token=tokens[job_id], step=4, total=4,
-                       outcome="succeeded", video_key=video_key(job_id))
+            RankStatus(rank=0, job_id=job_id, attempt_token=tokens[job_id], step=4,
+                       num_inference_steps=4, outcome="succeeded", video_key=video_key(job_id))
             for job_id in (hooked, plain)])
     finally:
         tasks.configure(get_settings())
