@@ -19,9 +19,9 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import KeyCache
 from api.errors import BodySizeLimit, install_error_handlers
+from api.jobs import QueueRoom
 from api.metrics import make_registry
 from api.routes import batches, dashboard, jobs, system, videos
-from api.service import QueueRoom
 from common.settings import Settings, get_settings
 from scheduler import queue_index
 from storage.db import make_engine, make_session_factory

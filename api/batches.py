@@ -17,7 +17,7 @@ from redis import Redis
 from sqlalchemy.orm import Session
 from starlette.datastructures import UploadFile
 
-from api import service
+from api import jobs
 from api.schemas import (
     BatchCreate,
     BatchProgress,
@@ -29,8 +29,8 @@ from api.schemas import (
 )
 from common.settings import Settings
 from storage import batches
-from storage.models import Batch, Job, JobClass, JobState, User
 from storage.submission import JobSpec
+from storage.tables import Batch, Job, JobClass, JobState, User
 
 JSONL_TYPES = frozenset({"application/x-ndjson", "application/jsonl", "application/x-jsonlines",
                          "application/jsonlines"})
@@ -168,7 +168,7 @@ def _validated(data: dict[str, Any]) -> BatchCreate:
 
 def specs_from_submission(sub: Submission, s: Settings, now: datetime) -> list[JobSpec]:
     """Every job of the batch as a checked `JobSpec`: its line laid over the defaults, class
-    ``batch``, the window's times, validated by `JobCreate` and `service.spec_from_job_create`
+    ``batch``, the window's times, validated by `JobCreate` and `jobs.spec_from_job_create`
     exactly as `POST /v1/jobs` would. Any bad line fails the whole batch with a 422 naming each
     bad line (up to `MAX_REPORTED_LINES`) and field."""
     body = sub.body
@@ -235,7 +235,7 @@ def _job_spec(data: dict[str, Any], s: Settings,
               now: datetime) -> JobSpec | list[tuple[str, dict[str, Any]]]:
     """The spec `POST /v1/jobs` would make of ``data``, or its errors as (field, error)."""
     try:
-        return service.spec_from_job_create(JobCreate.model_validate(data), s, now)
+        return jobs.spec_from_job_create(JobCreate.model_validate(data), s, now)
     except ValidationError as exc:
         return [(".".join(str(p) for p in e["loc"]) or "body", e)
                 for e in exc.errors(include_url=False)]
@@ -253,11 +253,11 @@ def submit(session: Session, redis: Redis, s: Settings, user: User, sub: Submiss
            idempotency_key: str | None, response: Response) -> BatchPublic:
     """Checks every job, stores the batch and its jobs in one transaction, then dispatches them
     to Redis; an idempotent replay answers 200 with the batch made earlier."""
-    now = service.now()
+    now = jobs.now()
     specs = specs_from_submission(sub, s, now)
-    digest = service.request_hash("batch", sub.body.model_dump(mode="json"))
+    digest = jobs.request_hash("batch", sub.body.model_dump(mode="json"))
     window = sub.body.window
-    with service.creation_errors_as_http(s):
+    with jobs.creation_errors_as_http(s):
         created = batches.create_batch(
             session, user, specs, name=sub.body.name, metadata=dict(sub.body.metadata),
             not_before=window.not_before if window else None,
@@ -265,7 +265,7 @@ def submit(session: Session, redis: Redis, s: Settings, user: User, sub: Submiss
             idempotency_key=idempotency_key, max_attempts=s.max_attempts,
             max_queued=s.max_queued_jobs_per_user, now=now,
         )
-    service.dispatch(redis, s, created.jobs)
+    jobs.dispatch(redis, s, created.jobs)
     if not created.created:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
@@ -281,13 +281,13 @@ def owner_name(session: Session, viewer: User, owner_id: int) -> str | None:
 
 def detail(session: Session, viewer: User, batch: Batch) -> BatchPublic:
     summary = batches.summaries(session, [batch.id])[batch.id]
-    return batch_public(batch, summary, service.now(),
+    return batch_public(batch, summary, jobs.now(),
                         owner=owner_name(session, viewer, batch.owner_id))
 
 
 def details(session: Session, viewer: User, rows: Sequence[Batch]) -> list[BatchPublic]:
     found = batches.summaries(session, [b.id for b in rows])
-    now = service.now()
+    now = jobs.now()
     return [batch_public(b, found[b.id], now, owner=owner_name(session, viewer, b.owner_id))
             for b in rows]
 
@@ -341,7 +341,7 @@ def report(session: Session, batch: Batch) -> BatchReport:
 
 
 def _report_job(job: Job) -> BatchReportJob:
-    public = service.job_public(job)
+    public = jobs.job_public(job)
     return BatchReportJob(
         id=job.id, line=job.batch_index, status=job.state, prompt=job.prompt, seed=job.seed,
         started_at=job.started_at, finished_at=job.finished_at,

@@ -12,10 +12,10 @@ from redis import Redis
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.service import QueueRoom
+from api.jobs import QueueRoom
 from common.settings import Settings
-from storage.models import User
 from storage.outputs import OutputStore
+from storage.tables import User
 from storage.users import authenticate, hash_key
 
 

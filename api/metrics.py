@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from common.settings import Settings
 from storage import stats, workers
-from storage.models import MAX_PRIORITY, MIN_PRIORITY, JobClass, JobState
+from storage.tables import MAX_PRIORITY, MIN_PRIORITY, JobClass, JobState
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Request and response bodies of the HTTP API, apart from the ORM tables.
 
 Static bounds here are sanity caps that hold whatever the deployment; the configurable limits in
-`Settings` (max size, frames, steps, prompt length) are checked in `api.service` and reported the
+`Settings` (max size, frames, steps, prompt length) are checked in `api.jobs` and reported the
 same way, as a 422 that names the field.
 """
 
@@ -25,7 +25,7 @@ from pydantic import (
     StrictStr,
 )
 
-from storage.models import MAX_PRIORITY, MAX_SEED, MIN_PRIORITY
+from storage.tables import MAX_PRIORITY, MAX_SEED, MIN_PRIORITY
 
 HARD_MAX_TEXT = 100_000
 HARD_MAX_DIM = 16_384

@@ -40,8 +40,8 @@ from scheduler import queue_index  # noqa: E402
 from scheduler.claim import claim_for_group, job_tokens, record_result  # noqa: E402
 from storage import lifecycle, submission  # noqa: E402
 from storage.db import make_engine, make_session_factory  # noqa: E402
-from storage.models import Job, JobState, User  # noqa: E402
 from storage.submission import JobSpec, new_job_id  # noqa: E402
+from storage.tables import Job, JobState, User  # noqa: E402
 
 POSTGRES_URL = os.environ.get("KILN_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")

@@ -40,8 +40,8 @@ import migrations  # noqa: E402
 from scheduler import queue_index  # noqa: E402
 from storage import submission  # noqa: E402
 from storage.db import make_engine, make_session_factory  # noqa: E402
-from storage.models import Job, JobState  # noqa: E402
 from storage.submission import JobSpec  # noqa: E402
+from storage.tables import Job, JobState  # noqa: E402
 from storage.users import get_or_create_user  # noqa: E402
 
 KILN = str(Path(sys.executable).with_name("kiln"))

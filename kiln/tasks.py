@@ -39,8 +39,8 @@ from scheduler import queue_index
 from scheduler.attempts import settle
 from storage import lifecycle, retention, webhooks
 from storage.db import make_engine, make_session_factory
-from storage.models import Job, JobState, utcnow
 from storage.outputs import OutputStore, make_store
+from storage.tables import Job, JobState, utcnow
 
 log = logging.getLogger(__name__)
 

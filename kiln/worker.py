@@ -53,8 +53,8 @@ from scheduler.claim import claim_for_group, job_tokens, record_result
 from scheduler.policy import RunningJob
 from storage import lifecycle
 from storage.db import make_engine, make_session_factory
-from storage.models import Job, JobState
 from storage.outputs import OutputStore, make_store, thumbnail_key, video_key
+from storage.tables import Job, JobState
 from storage.video import write_outputs
 from storage.workers import GroupReport, report_group
 

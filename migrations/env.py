@@ -8,7 +8,7 @@ from sqlalchemy import Connection
 
 from common.settings import Settings
 from storage.db import make_engine
-from storage.models import Base
+from storage.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

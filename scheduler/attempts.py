@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from scheduler import queue_index
 from storage import lifecycle
-from storage.models import TERMINAL_STATES, Job, JobState
+from storage.tables import TERMINAL_STATES, Job, JobState
 
 log = logging.getLogger(__name__)
 

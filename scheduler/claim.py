@@ -30,7 +30,7 @@ from scheduler import queue_index
 from scheduler.cost import CostModel, tokens
 from scheduler.policy import JobResult, Policy, PolicyConfig, QueuedJob, RunningJob
 from storage.lifecycle import Claim, claim_job, expire
-from storage.models import Job, utcnow
+from storage.tables import Job, utcnow
 
 log = logging.getLogger(__name__)
 

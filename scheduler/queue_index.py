@@ -47,7 +47,7 @@ from sqlalchemy.orm import Session
 from common.families import family_of
 from scheduler.cost import tokens
 from scheduler.policy import CLASS_BASE, TOP_LEVEL, QueuedJob
-from storage.models import MAX_PRIORITY, MIN_PRIORITY, Job, JobClass, JobState
+from storage.tables import MAX_PRIORITY, MIN_PRIORITY, Job, JobClass, JobState
 
 # Every class, in serving order: the one whose jobs start at the higher level first.
 CLASSES = tuple(sorted((c.value for c in JobClass), key=CLASS_BASE.__getitem__, reverse=True))

@@ -18,9 +18,9 @@ from sqlalchemy import and_, func, insert, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from storage.idempotency import create_or_replay
-from storage.models import TERMINAL_STATES, Batch, Job, JobEvent, JobState, User, utcnow
 from storage.pagination import decode_cursor, encode_cursor
 from storage.submission import JobSpec, check_queue_room, is_job_id, new_job_id, new_job_row
+from storage.tables import TERMINAL_STATES, Batch, Job, JobEvent, JobState, User, utcnow
 
 _TERMINAL = [s.value for s in TERMINAL_STATES]
 

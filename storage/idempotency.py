@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from storage.models import Batch, Job
+from storage.tables import Batch, Job
 
 _Keyed = TypeVar("_Keyed", Job, Batch)  # a row that an idempotency key names
 _Made = TypeVar("_Made")

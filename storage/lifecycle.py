@@ -47,8 +47,8 @@ from sqlalchemy.orm import Session, make_transient_to_detached
 from sqlalchemy.orm.attributes import set_committed_value
 
 from storage.db import autocommit
-from storage.models import TERMINAL_STATES, Job, JobEvent, JobState, User, utcnow
 from storage.queries import get_job
+from storage.tables import TERMINAL_STATES, Job, JobEvent, JobState, User, utcnow
 
 EXPIRED_ERROR = "its deadline passed before it could start"
 

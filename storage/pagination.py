@@ -6,8 +6,8 @@ import base64
 import binascii
 from datetime import datetime
 
-from storage.models import Batch, Job
 from storage.submission import is_job_id
+from storage.tables import Batch, Job
 
 
 def encode_cursor(row: Job | Batch) -> str:

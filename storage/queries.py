@@ -11,9 +11,9 @@ from typing import Any
 from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.orm import Session
 
-from storage.models import Job, JobClass, JobEvent, JobState, User
 from storage.pagination import decode_cursor, encode_cursor
 from storage.submission import is_job_id
+from storage.tables import Job, JobClass, JobEvent, JobState, User
 
 # Ordering of classes for queue position: interactive work always goes first.
 _CLASS_RANK = {JobClass.INTERACTIVE.value: 0, JobClass.BATCH.value: 1}

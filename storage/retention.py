@@ -14,7 +14,7 @@ from datetime import datetime
 from sqlalchemy import insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from storage.models import TERMINAL_STATES, Job, JobEvent, utcnow
+from storage.tables import TERMINAL_STATES, Job, JobEvent, utcnow
 
 _TERMINAL = [s.value for s in TERMINAL_STATES]
 

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from storage.models import Job, JobState, utcnow
+from storage.tables import Job, JobState, utcnow
 
 RENDER_SECONDS_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 

@@ -24,7 +24,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from common.render import RenderFields
 from storage.db import autocommit
 from storage.idempotency import create_or_replay
-from storage.models import (
+from storage.tables import (
     DEFAULT_PRIORITY,
     JOB_ID_LENGTH,
     Job,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from storage.models import ApiKey, User, utcnow
+from storage.tables import ApiKey, User, utcnow
 
 KEY_SCHEME = "kiln_"
 PREFIX_LENGTH = 12

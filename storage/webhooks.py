@@ -20,7 +20,7 @@ from sqlalchemy import and_, exists, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from storage.models import TERMINAL_STATES, Job, WebhookDelivery, utcnow
+from storage.tables import TERMINAL_STATES, Job, WebhookDelivery, utcnow
 
 PENDING = "pending"
 DELIVERED = "delivered"

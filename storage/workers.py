@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from storage.models import WorkerGroup, utcnow
+from storage.tables import WorkerGroup, utcnow
 
 
 @dataclass(kw_only=True, slots=True)

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 import migrations
 from storage.db import make_engine, make_session_factory
-from storage.models import Base
+from storage.tables import Base
 
 POSTGRES_URL = os.environ.get(
     "KILN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

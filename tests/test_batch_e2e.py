@@ -20,7 +20,7 @@ import pytest
 from servers import running_service
 from sqlalchemy import select
 
-from storage.models import Job
+from storage.tables import Job
 
 NUM_JOBS = 20
 DEFAULTS = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}

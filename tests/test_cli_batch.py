@@ -16,8 +16,8 @@ from sqlalchemy import select
 
 from kiln.cli.batch import parse_window
 from storage import lifecycle
-from storage.models import Job
 from storage.outputs import video_key
+from storage.tables import Job
 
 BERLIN = ZoneInfo("Europe/Berlin")
 

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from common.procs import free_port
 from kiln.cli import app as cli
 from storage import lifecycle, submission
-from storage.models import Job
 from storage.outputs import video_key
+from storage.tables import Job
 
 runner = CliRunner()
 

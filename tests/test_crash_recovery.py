@@ -27,7 +27,7 @@ from runtime.pipelines.base import VideoRequest
 from runtime.render import frames_to_uint8, load_pipeline
 from scheduler import queue_index
 from storage import lifecycle, queries
-from storage.models import Job, utcnow
+from storage.tables import Job, utcnow
 from storage.video import write_outputs
 
 LEASE = 5  # seconds; the setting's minimum

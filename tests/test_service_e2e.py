@@ -21,7 +21,7 @@ from sqlalchemy import select
 
 from runtime.pipelines.base import VideoRequest
 from runtime.render import frames_to_uint8, load_pipeline
-from storage.models import Job
+from storage.tables import Job
 from storage.video import write_outputs
 
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9,

@@ -9,12 +9,12 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api import batches as batch_service
-from api import service
+from api import jobs
 from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep
 from api.routes.jobs import IdempotencyKey
 from api.schemas import BatchCancelled, BatchList, BatchPublic, BatchReport, SafeQuery
 from storage import batches
-from storage.models import Batch, User
+from storage.tables import Batch, User
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -60,7 +60,7 @@ def list_batches(
     owner: Annotated[str | None, Query(max_length=64, pattern=SafeQuery,
                                        description="a user name (admins only)")] = None,
 ) -> BatchList:
-    owner_id = service.owner_filter(session, user, owner, "batches")
+    owner_id = jobs.owner_filter(session, user, owner, "batches")
     try:
         page, next_cursor = batches.list_batches(session, user, owner_id=owner_id, limit=limit,
                                                  cursor=cursor)
@@ -83,7 +83,7 @@ def cancel_batch(batch_id: BatchId, user: CurrentUser, session: SessionDep, redi
     batch = visible_batch(session, batch_id, user)
     done = batches.cancel_batch(session, batch, user)
     for job in done.cancelled:
-        service.unindex(redis, settings, job)
+        jobs.unindex(redis, settings, job)
     public = batch_service.detail(session, user, batch)
     if not done.cancelled and not done.num_requested and public.status == "finished":
         raise HTTPException(status.HTTP_409_CONFLICT,

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from api.deps import CurrentUser, SessionDep
 from storage import stats
-from storage.models import utcnow
+from storage.tables import utcnow
 
 router = APIRouter(tags=["dashboard"])
 

@@ -9,14 +9,14 @@ from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 from redis import Redis, RedisError
 from sqlalchemy.orm import Session
 
-from api import service
+from api import jobs
 from api.deps import CurrentUser, QueueRoomDep, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.schemas import JobCreate, JobList, JobPublic, SafeQuery
 from common.settings import Settings
 from scheduler import queue_index
 from storage import lifecycle, queries
-from storage.models import Job, JobState, User
 from storage.outputs import OutputStore
+from storage.tables import Job, JobState, User
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -55,7 +55,7 @@ def detail(session: Session, redis: Redis, settings: Settings, viewer: User,
             position = None
         if position is None:
             position = queries.queue_position(session, job)
-    return service.job_public(job, queue_position=position,
+    return jobs.job_public(job, queue_position=position,
                               owner=_owner_name(session, viewer, job))
 
 
@@ -66,9 +66,9 @@ def detail(session: Session, redis: Redis, settings: Settings, viewer: User,
 def create_job(body: JobCreate, user: CurrentUser, session: SessionDep, redis: RedisDep,
                settings: SettingsDep, room: QueueRoomDep, response: Response,
                idempotency_key: IdempotencyKey = None) -> JobPublic:
-    spec = service.spec_from_job_create(body, settings, service.now())
-    digest = service.request_hash("job", body.model_dump(mode="json", by_alias=True))
-    created, position = service.submit(session, redis, settings, user, spec,
+    spec = jobs.spec_from_job_create(body, settings, jobs.now())
+    digest = jobs.request_hash("job", body.model_dump(mode="json", by_alias=True))
+    created, position = jobs.submit(session, redis, settings, user, spec,
                                        request_hash=digest, idempotency_key=idempotency_key,
                                        room=room)
     if not created.created:
@@ -90,7 +90,7 @@ def list_jobs(
     owner: Annotated[str | None, Query(max_length=64, pattern=SafeQuery,
                                        description="a user name (admins only)")] = None,
 ) -> JobList:
-    owner_id = service.owner_filter(session, user, owner, "jobs")
+    owner_id = jobs.owner_filter(session, user, owner, "jobs")
     try:
         page, next_cursor = queries.list_jobs(
             session, user, states=[s.value for s in status_ or []], model=model,
@@ -99,7 +99,7 @@ def list_jobs(
         )
     except ValueError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"cursor: {exc}") from exc
-    data = [service.job_public(j, owner=_owner_name(session, user, j)) for j in page]
+    data = [jobs.job_public(j, owner=_owner_name(session, user, j)) for j in page]
     return JobList(data=data, next_cursor=next_cursor, has_more=next_cursor is not None)
 
 
@@ -119,7 +119,7 @@ def cancel_job(job_id: JobId, user: CurrentUser, session: SessionDep, redis: Red
         raise HTTPException(status.HTTP_404_NOT_FOUND, _NOT_FOUND)
     job, was_queued = result
     if was_queued:
-        service.unindex(redis, settings, job)
+        jobs.unindex(redis, settings, job)
     elif job.state not in (JobState.RUNNING, JobState.CANCELLED):
         raise HTTPException(status.HTTP_409_CONFLICT,
                             f"the job already {job.state}; there is nothing to cancel")

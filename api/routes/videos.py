@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from api import service
+from api import jobs
 from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.routes.jobs import IdempotencyKey, JobId, serve_output, visible_job
 from api.schemas import VideoCreate, VideoDeleted, VideoList, VideoPublic
@@ -88,16 +88,16 @@ async def create_video(request: Request, user: CurrentUser, session: SessionDep,
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
         ) from exc
-    spec = service.spec_from_video_create(body, settings, service.now())
-    digest = service.request_hash("video", body.model_dump(mode="json"))
+    spec = jobs.spec_from_video_create(body, settings, jobs.now())
+    digest = jobs.request_hash("video", body.model_dump(mode="json"))
 
     def store() -> VideoPublic:
-        created, _ = service.submit(session, redis, settings, user, spec,
+        created, _ = jobs.submit(session, redis, settings, user, spec,
                                     request_hash=digest, idempotency_key=idempotency_key,
                                     room=request.app.state.queue_room)
         if not created.created:
             response.headers["Idempotent-Replayed"] = "true"
-        return service.video_public(created.job)
+        return jobs.video_public(created.job)
 
     # The database and Redis clients block; keep them off the event loop.
     return await run_in_threadpool(store)
@@ -118,14 +118,14 @@ def list_videos(
         cursor = pagination.encode_cursor(anchor)
     page, next_cursor = queries.list_jobs(session, user, limit=limit, cursor=cursor,
                                           newest_first=order == "desc")
-    data = [service.video_public(j) for j in page]
+    data = [jobs.video_public(j) for j in page]
     return VideoList(data=data, first_id=data[0].id if data else None,
                      last_id=data[-1].id if data else None, has_more=next_cursor is not None)
 
 
 @router.get("/{video_id}", response_model=VideoPublic)
 def retrieve_video(video_id: JobId, user: CurrentUser, session: SessionDep) -> VideoPublic:
-    return service.video_public(visible_job(session, video_id, user))
+    return jobs.video_public(visible_job(session, video_id, user))
 
 
 @router.delete("/{video_id}", response_model=VideoDeleted,
@@ -141,7 +141,7 @@ def delete_video(video_id: JobId, user: CurrentUser, session: SessionDep, redis:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "job not found")
     job, was_queued = result
     if was_queued:
-        service.unindex(redis, settings, job)
+        jobs.unindex(redis, settings, job)
     for key in (job.output_video_key, job.output_thumbnail_key):
         if key is not None:
             store.delete(key)

@@ -16,8 +16,8 @@ from sqlalchemy.orm import Session
 from api.app import create_app
 from common.settings import Settings
 from storage import lifecycle
-from storage.models import Base, Job
 from storage.outputs import LocalStore, thumbnail_key, video_key
+from storage.tables import Base, Job
 from storage.users import create_api_key
 
 

@@ -12,7 +12,7 @@ from sqlalchemy import select, update
 from api.app import create_app
 from scheduler import queue_index
 from storage import lifecycle, queries
-from storage.models import Batch, Job
+from storage.tables import Batch, Job
 
 DEFAULTS = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9,
             "num_inference_steps": 4}

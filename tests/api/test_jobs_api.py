@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from api.app import create_app
-from api.service import QueueRoom
+from api.jobs import QueueRoom
 from migrations import current_heads
 from scheduler import queue_index
 from storage import lifecycle

@@ -6,12 +6,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+from api.jobs import request_defaults, spec_from_job_create
 from api.schemas import JobCreate, VideoCreate
-from api.service import request_defaults, spec_from_job_create
 from common.families import GENERIC, TINY, WAN
 from common.render import RenderFields
 from common.settings import Settings
-from storage.models import utcnow
+from storage.tables import utcnow
 
 
 def _model_dir(tmp_path: Path, class_name: str) -> str:

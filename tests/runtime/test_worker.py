@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from scheduler import queue_index
 from storage import submission
-from storage.models import User
+from storage.tables import User
 
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}
 

@@ -13,8 +13,8 @@ from scheduler import claim as sched
 from scheduler import queue_index
 from scheduler.policy import RunningJob
 from storage import lifecycle, queries, submission
-from storage.models import Job, JobClass, JobState, User
 from storage.submission import JobSpec
+from storage.tables import Job, JobClass, JobState, User
 from storage.users import get_or_create_user
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

@@ -16,7 +16,7 @@ from scheduler import queue_index
 from scheduler.claim import candidates
 from scheduler.cost import CostModel
 from scheduler.policy import BATCH, INTERACTIVE, Policy, PolicyConfig, QueuedJob, RunningJob
-from storage.models import MAX_PRIORITY, MIN_PRIORITY, Job
+from storage.tables import MAX_PRIORITY, MIN_PRIORITY, Job
 
 _seq = itertools.count()
 # More users than a claim reads queues for, so that picking the wrong ones would show.

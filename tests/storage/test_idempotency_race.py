@@ -10,8 +10,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from storage import batches, idempotency, submission
-from storage.models import Batch, Job, User
 from storage.submission import JobSpec
+from storage.tables import Batch, Job, User
 from storage.users import get_or_create_user
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from storage import idempotency, lifecycle, queries, submission
-from storage.models import Job, JobClass, JobState, User
 from storage.submission import JobSpec
+from storage.tables import Job, JobClass, JobState, User
 from storage.users import get_or_create_user
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

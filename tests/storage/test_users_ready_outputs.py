@@ -17,9 +17,9 @@ from sqlalchemy.orm import Session
 import migrations
 from scheduler import queue_index
 from storage import lifecycle, queries, submission
-from storage.models import ApiKey, Base, JobClass
 from storage.outputs import LocalStore, S3Store, thumbnail_key, video_key
 from storage.submission import JobSpec
+from storage.tables import ApiKey, Base, JobClass
 from storage.users import authenticate, create_api_key, revoke_api_key
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

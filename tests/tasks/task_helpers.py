@@ -12,9 +12,9 @@ from sqlalchemy.orm import Session
 from common.settings import Settings
 from kiln.tasks import Context
 from storage import lifecycle, submission
-from storage.models import Job, User
 from storage.outputs import thumbnail_key, video_key
 from storage.submission import JobSpec
+from storage.tables import Job, User
 from storage.users import get_or_create_user
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

@@ -18,7 +18,7 @@ from common.settings import get_settings
 from kiln import signing, tasks
 from kiln.tasks import Context
 from storage import webhooks
-from storage.models import utcnow
+from storage.tables import utcnow
 
 ROOT = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).with_name("celery"))

@@ -10,8 +10,8 @@ from task_helpers import T0, make_settings, submit, succeed
 from kiln.tasks import Context, beat_schedule, clean_up, reap_leases, reconcile
 from scheduler import queue_index
 from storage import lifecycle, queries
-from storage.models import Job, JobState, utcnow
 from storage.outputs import thumbnail_key, video_key
+from storage.tables import Job, JobState, utcnow
 
 
 def _ready_ids(ctx: Context) -> set[str]:

@@ -20,7 +20,7 @@ from common.settings import get_settings
 from kiln import signing, tasks
 from kiln.tasks import Context, deliver, sweep
 from storage import lifecycle, webhooks
-from storage.models import utcnow
+from storage.tables import utcnow
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from kiln.tasks import Context
 from kiln.worker import Coordinator, WorkerConfig
 from runtime.rank_loop import RankStatus
 from storage import lifecycle
-from storage.models import Job
 from storage.outputs import video_key
+from storage.tables import Job
 
 
 def test_finishing_a_job_with_a_webhook_enqueues_its_delivery_and_others_enqueue_nothing(

@@ -35,8 +35,8 @@ from common.render import RequestDefaults
 from common.settings import Settings
 from scheduler import queue_index
 from storage import idempotency, submission
-from storage.models import Job, JobClass, JobState, User, utcnow
 from storage.submission import Created, JobSpec
+from storage.tables import Job, JobClass, JobState, User, utcnow
 
 log = logging.getLogger(__name__)
 
