@@ -95,13 +95,13 @@ class Settings(BaseSettings):
     # queue (or marked dead after max_attempts attempts).
     lease_seconds: int = Field(default=120, ge=5)
     max_attempts: int = Field(default=3, ge=1)
-    # How often the API re-adds queued jobs from the database to the Redis ready index.
+    # How often the API re-adds queued jobs from the database to the Redis queue index.
     reconcile_interval_seconds: float = Field(default=60.0, gt=0)
     # A worker group that has not reported for this long is shown as stale.
     worker_stale_seconds: int = Field(default=60, ge=1)
 
     # Side work (kiln.tasks, run by `kiln celery`). How often beat runs the lease reaper; the
-    # ready-index reconciliation runs every reconcile_interval_seconds.
+    # queue-index reconciliation runs every reconcile_interval_seconds.
     reaper_interval_seconds: float = Field(default=15.0, gt=0)
     # Webhooks: a job that reaches a final state with a webhook_url gets one POST, signed with
     # HMAC-SHA256 under this secret (header Kiln-Signature); unset: sent unsigned.

@@ -1,2 +1,2 @@
-"""Persistence: SQLAlchemy models and repositories (jobs, users, worker groups) and output
-stores (local directory, S3-compatible)."""
+"""Persistence: the database tables and the job repository (submission, queries, lifecycle),
+users, batches, worker groups, webhooks, and the output stores and video files."""

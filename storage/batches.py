@@ -207,7 +207,7 @@ def batch_jobs(session: Session, batch_id: str) -> list[Job]:
 
 @dataclass(frozen=True, slots=True)
 class Cancelled:
-    cancelled: list[Job]  # were queued, now cancelled: remove them from the ready index
+    cancelled: list[Job]  # were queued, now cancelled: remove them from the queue index
     num_requested: int  # running jobs flagged to stop after their current step
 
 

@@ -225,7 +225,7 @@ def fail_job(
     """Ends this attempt with an error. Not retryable -> failed. Retryable (the worker, not the
     request, was at fault) -> queued again while attempts remain, else dead. Returns the new
     state, or None if the attempt is no longer current. A job back in `queued` must be re-added
-    to the ready index by the caller.
+    to the queue index by the caller.
     """
     now = now or utcnow()
     detail = {"error": error, "code": code}
@@ -254,7 +254,7 @@ def _requeue_values(error: str, code: str) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class Reaped:
-    requeued: list[Job] = field(default_factory=list)  # add these back to the ready index
+    requeued: list[Job] = field(default_factory=list)  # add these back to the queue index
     dead: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     expired: list[str] = field(default_factory=list)
@@ -323,7 +323,7 @@ def request_cancel(
     session: Session, job_id: str, user: User, *, now: datetime | None = None
 ) -> tuple[Job, bool] | None:
     """Cancels a queued job at once, or flags a running one for its rank to stop after the
-    current step. Returns (job, was_queued) -- remove a was-queued job from the ready index --
+    current step. Returns (job, was_queued) -- remove a was-queued job from the queue index --
     or None if ``user`` cannot see the job. A finished job is returned unchanged.
     """
     job = get_job(session, job_id, user)

@@ -164,7 +164,7 @@ class Job(Base):
         UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
         # Listing one user's jobs newest first, with a keyset cursor.
         Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
-        # Counting a user's queued jobs (the per-user limit) and rebuilding the ready index.
+        # Counting a user's queued jobs (the per-user limit) and rebuilding the queue index.
         Index("ix_jobs_owner_state", "owner_id", "state"),
         Index("ix_jobs_state_order", "state", "job_class", "priority", "created_at"),
         # The reaper: running jobs whose lease ran out.

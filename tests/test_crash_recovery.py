@@ -111,7 +111,7 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
         assert not outputs.exists() or not any(p.is_file() for p in outputs.rglob("*"))
 
         # 2. While the lease holds, the reaper leaves the job alone; once it lapses, the reaper
-        # puts the job back in the queue and in the ready index.
+        # puts the job back in the queue and in the queue index.
         almost = killed.lease_expires_at - timedelta(seconds=1)
         assert reap_leases(reaper, now=almost).requeued == []
         assert _row(service, job_id).state == "running"

@@ -22,6 +22,7 @@ import typer
 
 from common.procs import die_with_parent, free_port
 from common.settings import Settings
+from kiln.cli.options import Device, Model
 
 app = typer.Typer()
 
@@ -100,9 +101,8 @@ def _wait_for(check: object, what: str, proc: subprocess.Popen[bytes],
 @app.command()
 def up(
     dp: Annotated[int, typer.Option(help="Ranks in the worker group.")] = 2,
-    model: Annotated[str, typer.Option(help="kiln-tiny or a diffusers model directory.")] = (
-        "kiln-tiny"),
-    device: Annotated[str, typer.Option(help="cpu, cuda or npu.")] = "cpu",
+    model: Model = "kiln-tiny",
+    device: Device = "cpu",
     celery: Annotated[bool, typer.Option(help="Also run the Celery side work.")] = True,
 ) -> None:
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""

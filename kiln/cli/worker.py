@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from common.settings import get_settings
+from kiln.cli.options import Device, Model
 
 app = typer.Typer()
 
@@ -14,9 +15,8 @@ app = typer.Typer()
 @app.command()
 def worker(
     dp: Annotated[int, typer.Option(help="Ranks in the group; each renders its own job.")] = 1,
-    model: Annotated[str, typer.Option(help="kiln-tiny or a diffusers model directory.")] = (
-        "kiln-tiny"),
-    device: Annotated[str, typer.Option(help="cpu, cuda or npu.")] = "cpu",
+    model: Model = "kiln-tiny",
+    device: Device = "cpu",
     allgather: Annotated[bool, typer.Option(
         help="Shard the block weights across the ranks (--no-allgather: rank-local).")] = True,
 ) -> None:

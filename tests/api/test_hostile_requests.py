@@ -1,5 +1,5 @@
 """Malformed and hostile requests: each gets a 4xx with a reason, never a 500, and none of them
-changes the database or the Redis ready index."""
+changes the database or the Redis queue index."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""API keys, the Redis ready index, output stores and the migrations themselves."""
+"""API keys, the Redis queue index, output stores and the migrations themselves."""
 
 from __future__ import annotations
 
