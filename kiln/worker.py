@@ -34,7 +34,6 @@ from redis import Redis, RedisError
 from sqlalchemy.orm import Session
 
 from common.settings import Settings
-from kiln.tasks import enqueue_job_finished
 from runtime.launch import (
     RankContext,
     RankFailure,
@@ -77,19 +76,26 @@ class WorkerConfig:
 class Coordinator:
     """Rank 0's bookkeeping against the database and Redis (a `runtime.rank_loop.GroupDriver`).
 
-    ``notify(session, job_id)``: called after a job's final state is committed (the webhook
-    enqueue); ``report(session, report)``: records the group's state for ``/v1/workers``.
+    ``notify(session, job_id)``: called after a job's final state is committed (default: the
+    webhook enqueue, `kiln.tasks.enqueue_job_finished`); ``report(session, report)``: records
+    the group's state for ``/v1/workers``.
     """
 
     def __init__(self, settings: Settings, config: WorkerConfig, world: int, mode: str,
                  platform_name: str, *,
-                 notify: Callable[[Session, str], object] = enqueue_job_finished,
+                 notify: Callable[[Session, str], object] | None = None,
                  report: Callable[[Session, GroupReport], object] = report_group) -> None:
         self.settings = settings
         self.config = config
         self.world = world
         self.mode = mode
         self.platform_name = platform_name
+        if notify is None:
+            # Here, not at the top: Celery (20 MiB a process) loads on rank 0 only, the one
+            # rank that enqueues webhooks.
+            from kiln.tasks import enqueue_job_finished
+
+            notify = enqueue_job_finished
         self.notify = notify
         self._report = report
         self.sessions = make_session_factory(make_engine(settings.database_url))
