@@ -24,6 +24,7 @@ import os
 import secrets
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from common.settings import Settings
 from runtime.launch import (
     RankContext,
     RankFailure,
+    StopTimeout,
     device_for,
     run_ranks,
     run_this_rank,
@@ -59,6 +61,10 @@ from storage.workers import GroupReport, report_group
 
 log = logging.getLogger(__name__)
 
+# After the drain deadline, how long the ranks have to leave before the launcher kills them:
+# enough for the step in progress on a CPU, the hand-back, and the group's last report.
+STOP_GRACE_SECONDS = 10.0
+
 
 @dataclass(kw_only=True, slots=True)
 class WorkerConfig:
@@ -70,7 +76,86 @@ class WorkerConfig:
     idle_tick_seconds: float = 1.0  # longest an idle rank waits in a collective
     report_seconds: float = 2.0  # how often the group reports itself (memory, current jobs)
     exit_when_idle_seconds: float | None = None  # stop after this long without work (tests)
+    # After a stop is asked for (SIGINT, SIGTERM), the running jobs have this long to finish;
+    # then they are handed back, uncharged, and the ranks leave. docker-compose.yml gives the
+    # worker a stop grace period above it.
+    drain_seconds: float = 45.0
     name: str = ""
+
+
+class LeaseKeeper:
+    """Rank 0's thread that keeps the group's leases: the leases follow the group, not the step.
+
+    Every ``lease_seconds / 4`` it renews the lease of every attempt the group holds (running or
+    writing its files), so a step longer than the lease costs nothing; a lease lapses only when
+    the group is gone. An attempt found no longer current (the reaper took it, a user deleted it)
+    lands in ``ended`` for the coordinator to drop at the next step boundary. Once a stop's drain
+    deadline passes it hands every attempt back, uncharged, from this thread: a step that runs
+    past the deadline does not hold the job.
+    """
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.interval_seconds = max(0.5, coordinator.settings.lease_seconds / 4)
+        # job id -> attempt token; replaced whole by the loop's thread, read by this one.
+        self._attempts: dict[str, str] = {}
+        self.ended: dict[str, str] = {}  # job id -> why its attempt ended outside the loop
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kiln-leases", daemon=True)
+
+    def track(self, running: dict[int, Ticket], writing: dict[str, RankStatus]) -> None:
+        attempts = {t.job_id: t.attempt_token for t in running.values()}
+        attempts.update((job_id, st.attempt_token) for job_id, st in writing.items()
+                        if st.attempt_token is not None)
+        self._attempts = attempts
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        c = self.coordinator
+        while not self._stop.wait(self._until_next_tick()):
+            attempts = {j: t for j, t in self._attempts.items() if j not in self.ended}
+            if not attempts:
+                continue
+            try:
+                with c.sessions() as session:
+                    if c.drain_deadline is not None and time.monotonic() >= c.drain_deadline:
+                        self.hand_back(session, attempts)
+                    else:
+                        self._renew(session, attempts)
+            except Exception:  # the database may be down: the next tick tries again
+                log.warning("worker group %s: could not renew leases", c.group_id, exc_info=True)
+
+    def _until_next_tick(self) -> float:
+        """The renewal interval, cut short by a drain deadline that comes first."""
+        deadline = self.coordinator.drain_deadline
+        if deadline is None:
+            return self.interval_seconds
+        return max(0.0, min(self.interval_seconds, deadline - time.monotonic()))
+
+    def _renew(self, session: Session, attempts: dict[str, str]) -> None:
+        lease = self.coordinator.settings.lease_seconds
+        for job_id, token in attempts.items():
+            if lifecycle.heartbeat(session, job_id, token, lease_seconds=lease) is None:
+                self.ended[job_id] = "the lease of this attempt was lost"
+
+    def hand_back(self, session: Session, attempts: dict[str, str]) -> None:
+        """Ends ``attempts`` (job id -> token) as handed back, uncharged: the drain is over."""
+        c = self.coordinator
+        drained = Ending(outcome="failed", error="the worker group stopped before it finished",
+                         code="worker_stopped", retryable=True, charged=False)
+        for job_id, token in attempts.items():
+            finish_attempt(session, c.redis, c.settings.redis_prefix, job_id, token, drained,
+                           notify=c.notify)
+            self.ended[job_id] = "handed back: the worker group stopped"
+            log.info("job %s: handed back, uncharged (drain of %.0f s over)", job_id,
+                     c.config.drain_seconds)
 
 
 class Coordinator:
@@ -111,15 +196,19 @@ class Coordinator:
         self.steps_left: dict[int, int] = {}
         self.cancels: dict[int, str] = {}  # rank -> reason, sent with the next plan
         self.stopping = False
+        self.drain_deadline: float | None = None  # monotonic; set when a stop is asked for
         self._last_report = 0.0
         self._last_work = time.monotonic()
+        self.leases = LeaseKeeper(self)
 
     def start(self, memory: dict[str, Any]) -> None:
         self.report([memory], state="starting")
+        self.leases.start()
         log.info("worker group %s: %d rank(s), model %s, %s", self.group_id, self.world,
                  self.config.model, self.mode)
 
     def stop(self, memory: dict[str, Any]) -> None:
+        self.leases.stop()
         self.give_back()
         self.report([memory], state="stopped")
 
@@ -128,8 +217,16 @@ class Coordinator:
         deadline = time.monotonic() + self.config.idle_tick_seconds
         while True:
             if stop_requested and not self.stopping:
-                log.info("worker group %s: stopping after the running jobs", self.group_id)
+                log.info("worker group %s: stopping; the running jobs have %.0f s to finish",
+                         self.group_id, self.config.drain_seconds)
                 self.stopping = True
+                self.drain_deadline = time.monotonic() + self.config.drain_seconds
+            if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+                self._hand_back_running()
+            for rank, ticket in self.running.items():
+                ended = self.leases.ended.get(ticket.job_id)
+                if ended is not None:  # its lease was lost, or it was handed back at the deadline
+                    self.cancels.setdefault(rank, ended)
             plan = StepPlan(drop=dict(self.cancels))
             self.cancels.clear()
             for rank in plan.drop:
@@ -138,6 +235,7 @@ class Coordinator:
             if free and not self.stopping:
                 plan.assign = self._claim(free)
                 self.running.update(plan.assign)
+            self.leases.track(self.running, self.writing)
             if self.running:
                 self._last_work = time.monotonic()
                 plan.step = True
@@ -153,6 +251,15 @@ class Coordinator:
             if plan.drop or time.monotonic() >= deadline:
                 return plan
             self._wait_for_work()
+
+    def _hand_back_running(self) -> None:
+        """The drain is over: the running jobs go back to the queue, uncharged (their ranks drop
+        them with the next plan)."""
+        attempts = {t.job_id: t.attempt_token for t in self.running.values()
+                    if t.job_id not in self.leases.ended}
+        if attempts:
+            with self.sessions() as session:
+                self.leases.hand_back(session, attempts)
 
     def _wait_for_work(self) -> None:
         """Up to ``poll_seconds``, cut short when a submission announces work in Redis."""
@@ -205,6 +312,7 @@ class Coordinator:
                     continue
                 self.writing.pop(st.job_id, None)
                 self._finish(session, st)
+        self.leases.track(self.running, self.writing)
         now = time.monotonic()
         if now - self._last_report >= self.config.report_seconds:
             self.report([st.memory for st in statuses if st.memory])
@@ -254,7 +362,7 @@ class Coordinator:
     def give_back(self) -> None:
         """On the way out: jobs still running go back to the queue (the worker stopped)."""
         stopped = Ending(outcome="failed", error="the worker group stopped",
-                         code="worker_stopped", retryable=True)
+                         code="worker_stopped", retryable=True, charged=False)
         attempts = [(t.job_id, t.attempt_token) for t in self.running.values()]
         attempts += [(job_id, st.attempt_token) for job_id, st in self.writing.items()]
         with self.sessions() as session:
@@ -296,8 +404,9 @@ def run_worker(settings: Settings, config: WorkerConfig,
                on_started: Callable[[], None] | None = None) -> int:
     """Start the group: under torchrun this process is one rank; else spawn ``config.dp`` ranks.
 
-    Returns an exit code: 0 after a graceful stop (SIGINT or SIGTERM; a second one kills the
-    ranks), 1 if a rank died.
+    Returns an exit code: 0 after a graceful stop (SIGINT or SIGTERM: the running jobs have
+    ``config.drain_seconds`` to finish, then go back to the queue uncharged; a second signal
+    kills the ranks), 1 if a rank died.
     """
     if config.dp < 1:
         raise ValueError(f"--dp must be >= 1, got {config.dp}")
@@ -307,7 +416,12 @@ def run_worker(settings: Settings, config: WorkerConfig,
     try:
         run_ranks(config.dp, serve_rank, settings, config, device=config.device,
                   on_started=on_started, timeout_s=None, graceful_stop=True,
+                  stop_timeout_s=config.drain_seconds + STOP_GRACE_SECONDS,
                   log_format="[rank {rank}] %(levelname)s %(message)s")
+    except StopTimeout as exc:
+        # A step ran past the drain: its job was handed back at the deadline already.
+        log.warning("worker group stopped: %s", exc)
+        return 0
     except RankFailure as exc:
         log.error("worker group stopped: %s", exc)
         return 1

@@ -37,6 +37,28 @@ class RankFailure(RuntimeError):
     """A rank raised (not a user mistake), exited, or the ranks ran past their deadline."""
 
 
+class StopTimeout(RankFailure):
+    """Asked to stop, the ranks had not left within the launcher's ``stop_timeout_s``: they
+    were killed."""
+
+
+class _Stop:
+    """A rank's stop flag: set by the launcher (an Event every rank shares), or by a SIGTERM
+    sent to this rank itself (the whole process group stopped by systemd or docker)."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        self.signalled = False
+
+    def is_set(self) -> bool:
+        return self.signalled or bool(self.event.is_set())
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        # A plain attribute, not the shared Event: setting that takes a lock the interrupted
+        # code may hold.
+        self.signalled = True
+
+
 @dataclass(kw_only=True, slots=True)
 class RankContext:
     """What a rank function is given besides its own arguments."""
@@ -72,11 +94,14 @@ def init_process_group(rank: int, world: int, device: str) -> None:
     dist.init_process_group(BACKENDS[device], rank=rank, world_size=world)
 
 
-def run_this_rank(fn: Callable[..., Any], *args: Any, device: str = "cpu",
-                  stop: Any = None) -> Any:
+def run_this_rank(fn: Callable[..., Any], *args: Any, device: str = "cpu") -> Any:
     """Under torchrun: this process is one rank of the group; runs ``fn`` and returns its result.
-    Messages go nowhere (there is no launcher process to read them)."""
+    Messages go nowhere (there is no launcher process to read them); SIGINT or SIGTERM (torchrun
+    passes its own on) sets ``ctx.stop``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    stop = _Stop(_Never())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop.on_signal)
     init_process_group(rank, world, device)
     try:
         ctx = RankContext(rank=rank, world=world, device=device, messages=_Discard(), stop=stop)
@@ -90,12 +115,22 @@ class _Discard:
         pass
 
 
+class _Never:
+    def is_set(self) -> bool:
+        return False
+
+
 def _rank_entry(rank: int, world: int, port: int, device: str, threads: int,
-                log_format: str | None, fn: Callable[..., Any], args: tuple[Any, ...],
-                messages: Any, stop: Any) -> None:
-    die_with_parent()  # a rank whose launcher died must not go on (claiming jobs, holding ports)
+                log_format: str | None, graceful_stop: bool, fn: Callable[..., Any],
+                args: tuple[Any, ...], messages: Any, stop_event: Any) -> None:
+    stop = _Stop(stop_event)
     # Ctrl-C reaches the whole process group; the launcher decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if graceful_stop:
+        # SIGTERM to this rank (the whole group stopped at once, or its launcher died: see
+        # die_with_parent) is a stop request like the launcher's, not an instant death.
+        signal.signal(signal.SIGTERM, stop.on_signal)
+    die_with_parent()  # a rank whose launcher died must not go on (claiming jobs, holding ports)
     if device == "cpu":
         torch.set_num_threads(threads)
     if log_format is not None:
@@ -121,7 +156,8 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
               on_sample: Callable[[int], None] | None = None,
               on_started: Callable[[], None] | None = None,
               timeout_s: float | None = 3600.0, threads: int | None = None,
-              graceful_stop: bool = False, log_format: str | None = None) -> list[Any]:
+              graceful_stop: bool = False, stop_timeout_s: float | None = None,
+              log_format: str | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world`` spawned ranks; their results in rank order.
 
     ``fn`` must be importable by name; ``ctx.messages.put((kind, rank, *payload))`` reaches
@@ -129,10 +165,11 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
     (memory benchmarks). ``threads``: torch threads per CPU rank, `rank_threads` unless given.
     ``timeout_s=None``: no deadline (a worker group).
 
-    ``graceful_stop``: SIGINT or SIGTERM to this process sets every rank's ``ctx.stop`` (the
-    ranks finish what they are doing and return); a second signal kills them. Without it, Ctrl-C
-    raises ``KeyboardInterrupt`` here and kills the ranks. ``log_format``: configure logging on
-    each rank (``{rank}`` is replaced by its rank).
+    ``graceful_stop``: SIGINT or SIGTERM to this process (or SIGTERM to a rank) sets every
+    rank's ``ctx.stop`` (the ranks finish what they are doing and return); a second signal kills
+    them, and so does ``stop_timeout_s`` passing after the first (`StopTimeout`). Without it,
+    Ctrl-C raises ``KeyboardInterrupt`` here and kills the ranks. ``log_format``: configure
+    logging on each rank (``{rank}`` is replaced by its rank).
     """
     ctx = torch_mp.get_context("spawn")
     messages = ctx.Queue()
@@ -140,17 +177,19 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
     port = free_port()
     threads = rank_threads(world) if threads is None else threads
     procs = [ctx.Process(target=_rank_entry,
-                         args=(r, world, port, device, threads, log_format, fn, args, messages,
-                               stop))
+                         args=(r, world, port, device, threads, log_format, graceful_stop,
+                               fn, args, messages, stop))
              for r in range(world)]
     for p in procs:
         p.start()
     previous = {}
+    stop_asked: list[float] = []  # when the first stop signal came (monotonic)
     if graceful_stop:
         def request_stop(signum: int, frame: Any) -> None:
-            if stop.is_set():  # a second signal: do not wait for the ranks
+            if stop_asked:  # a second signal: do not wait for the ranks
                 for p in procs:
                     p.kill()
+            stop_asked.append(time.monotonic())
             stop.set()
 
         previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT,
@@ -163,6 +202,10 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
         while len(results) < world:
             if deadline is not None and time.monotonic() > deadline:
                 raise RankFailure(f"ranks timed out after {timeout_s:.0f} s")
+            if (stop_timeout_s is not None and stop_asked
+                    and time.monotonic() > stop_asked[0] + stop_timeout_s):
+                raise StopTimeout(f"the ranks had not stopped {stop_timeout_s:.0f} s after "
+                                  "they were asked to")
             try:
                 kind, rank, *payload = messages.get(timeout=0.1)
             except queue.Empty:

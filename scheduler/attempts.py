@@ -37,6 +37,9 @@ class Ending:
     error: str | None = None  # failed: the reason a person can act on
     code: str = "render_failed"
     retryable: bool = False  # the worker, not the request, was at fault: the job may run again
+    # False: the job did not cause this end (its group stopped or drained): handed back
+    # without spending one of its attempts.
+    charged: bool = True
 
 
 def finish_attempt(session: Session, redis: Redis, prefix: str, job_id: str,
@@ -58,7 +61,7 @@ def finish_attempt(session: Session, redis: Redis, prefix: str, job_id: str,
     else:
         state = lifecycle.fail_job(session, job_id, attempt_token,
                                    error=ending.error or "render failed", code=ending.code,
-                                   retryable=ending.retryable)
+                                   retryable=ending.retryable, charged=ending.charged)
     requeued: list[Job] = []
     if state == JobState.QUEUED and (job := session.get(Job, job_id)) is not None:
         requeued.append(job)

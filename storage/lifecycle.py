@@ -111,7 +111,8 @@ def _claim_statements() -> tuple[Any, Any, Any]:
         .where(jobs_table.c.id == bindparam("claim_id"),
                jobs_table.c.state == JobState.QUEUED.value,
                jobs_table.c.cancel_requested.is_(False),
-               jobs_table.c.attempts < jobs_table.c.max_attempts,
+               jobs_table.c.attempts - jobs_table.c.uncharged_attempts
+               < jobs_table.c.max_attempts,
                or_(jobs_table.c.not_before.is_(None), jobs_table.c.not_before <= now),
                or_(jobs_table.c.deadline.is_(None), jobs_table.c.deadline > now))
         .values(state=JobState.RUNNING.value, attempts=jobs_table.c.attempts + 1,
@@ -220,19 +221,37 @@ def fail_job(
     error: str,
     code: str = "render_failed",
     retryable: bool = False,
+    charged: bool = True,
     now: datetime | None = None,
 ) -> JobState | None:
     """Ends this attempt with an error. Not retryable -> failed. Retryable (the worker, not the
-    request, was at fault) -> queued again while attempts remain, else dead. Returns the new
-    state, or None if the attempt is no longer current. A job back in `queued` must be re-added
-    to the queue index by the caller.
+    request, was at fault) -> queued again while charged attempts remain, else dead.
+    ``charged=False`` (retryable only: the job did not cause this end, e.g. its group stopped)
+    hands the job back without spending an attempt: queued again whatever its attempts, or
+    cancelled if a cancel is pending. Returns the new state, or None if the attempt is no longer
+    current. A job back in `queued` must be re-added to the queue index by the caller.
     """
     now = now or utcnow()
-    detail = {"error": error, "code": code}
+    detail = {"error": error, "code": code, "charged": charged or not retryable}
+    if retryable and not charged:
+        if _transition(
+            session, job_id, Job.cancel_requested.is_(False), attempt=attempt_token,
+            event="requeued", detail=detail, now=now, keep_open=True,
+            uncharged_attempts=Job.uncharged_attempts + 1, **_requeue_values(error, code),
+        ) is not None:
+            return JobState.QUEUED
+        job = _transition(
+            session, job_id, Job.cancel_requested.is_(True), attempt=attempt_token,
+            event="cancelled", detail=detail, now=now, state=JobState.CANCELLED.value,
+            finished_at=now, lease_expires_at=None, uncharged_attempts=Job.uncharged_attempts + 1,
+            error="cancelled; its worker group stopped before the cancel took effect",
+            error_code="cancelled",
+        )
+        return None if job is None else JobState.CANCELLED
     if retryable and _transition(
-        session, job_id, Job.attempts < Job.max_attempts, Job.cancel_requested.is_(False),
-        attempt=attempt_token, event="requeued", detail=detail, now=now, keep_open=True,
-        **_requeue_values(error, code),
+        session, job_id, Job.attempts - Job.uncharged_attempts < Job.max_attempts,
+        Job.cancel_requested.is_(False), attempt=attempt_token, event="requeued", detail=detail,
+        now=now, keep_open=True, **_requeue_values(error, code),
     ) is not None:
         return JobState.QUEUED
     new_state = JobState.DEAD if retryable else JobState.FAILED
@@ -279,7 +298,7 @@ def reap(session: Session, *, now: datetime | None = None) -> Reaped:
         out.cancelled.append(job.id)
         _event(session, job.id, "cancelled", now, job.attempts, reason="lease expired")
     lost = "its worker stopped reporting (lease expired)"
-    for job in bulk(*lapsed, Job.attempts >= Job.max_attempts,
+    for job in bulk(*lapsed, Job.attempts - Job.uncharged_attempts >= Job.max_attempts,
                     state=JobState.DEAD.value, finished_at=now, lease_expires_at=None,
                     error=f"gave up after its last allowed attempt: {lost}", error_code="dead"):
         out.dead.append(job.id)

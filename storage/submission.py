@@ -268,6 +268,7 @@ def new_job_row(owner_id: int, spec: JobSpec, *, request_hash: str,
         request_hash=request_hash,
         state=JobState.QUEUED.value,
         attempts=0,
+        uncharged_attempts=0,
         max_attempts=max_attempts,
         progress_step=0,
         progress_total=spec.num_inference_steps,  # the progress report's step count

@@ -200,7 +200,10 @@ class Job(Base):
 
     # Lifecycle; every change goes through a guarded UPDATE in storage.lifecycle.
     state: Mapped[str] = mapped_column(String(16), default=JobState.QUEUED.value)
-    attempts: Mapped[int] = mapped_column(default=0)
+    attempts: Mapped[int] = mapped_column(default=0)  # attempts started (claims)
+    # Of those, the ones handed back without charge: the job did not cause their end (a
+    # graceful stop, a drain). ``max_attempts`` bounds the charged ones, attempts - these.
+    uncharged_attempts: Mapped[int] = mapped_column(default=0, server_default="0")
     max_attempts: Mapped[int] = mapped_column(default=3)
     attempt_token: Mapped[str | None] = mapped_column(String(32))
     lease_expires_at: Mapped[datetime | None]

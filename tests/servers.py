@@ -168,20 +168,21 @@ def running_service(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Pat
 
 
 @contextlib.contextmanager
-def worker_group(service: Service, *, dp: int = 2,
+def worker_group(service: Service, *, dp: int = 2, args: Sequence[str] = (),
                  **overrides: Any) -> Iterator[subprocess.Popen[bytes]]:
     """A real ``kiln worker --dp N`` in a process group of its own (the launcher is its leader)
     on ``service``'s database, Redis prefix and outputs; ``overrides`` (scalar ``Settings``
-    fields) reach it as ``KILN_*`` variables. Yields the launcher once a group that was not
-    there before has reported ready; leaving stops the group gracefully, unless the test has
-    killed it already."""
+    fields) reach it as ``KILN_*`` variables; ``args`` are more ``kiln worker`` options. Yields
+    the launcher once a group that was not there before has reported ready; leaving stops the
+    group gracefully, unless the test has killed it already."""
     s = service.settings
     env = {"KILN_DATABASE_URL": s.database_url, "REDIS_URL": s.redis_url or REDIS_URL,
            "KILN_REDIS_PREFIX": s.redis_prefix, "KILN_OUTPUT_DIR": str(s.output_dir),
            **{f"KILN_{name.upper()}": str(value) for name, value in overrides.items()}}
     key = next(iter(service.keys.values()))
     before = {g["id"] for g in _groups(service.url, key)}
-    worker = subprocess.Popen([KILN, "worker", "--dp", str(dp)], env={**os.environ, **env},
+    worker = subprocess.Popen([KILN, "worker", "--dp", str(dp), *args],
+                              env={**os.environ, **env},
                               start_new_session=True)
     try:
         _wait_until_ready(service.url, key, worker, before)

@@ -1,8 +1,13 @@
-"""House rules the import-linter contract (pyproject.toml) does not cover."""
+"""House rules the import-linter contract (pyproject.toml) does not cover.
+
+``python tests/test_structure.py [ROOT]`` lists every import inside a function body of the
+packages under ROOT (this checkout by default) and counts them.
+"""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,3 +53,15 @@ def test_imports_inside_functions_say_why_they_are_not_at_the_top() -> None:
     assert unexplained == [], (
         "an import inside a function must say why it is not at the top (a heavy or optional "
         "library kept out of processes that never need it): " + ", ".join(unexplained))
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT
+    count = 0
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for lineno, context in _function_imports(path):
+                count += 1
+                reason = "" if _says_why(context) else "   <- no reason given"
+                print(f"{path.relative_to(root)}:{lineno}: {context[-1].strip()}{reason}")
+    print(f"{count} imports inside function bodies")

@@ -19,6 +19,9 @@ def worker(
     device: Device = "cpu",
     allgather: Annotated[bool, typer.Option(
         help="Shard the block weights across the ranks (--no-allgather: rank-local).")] = True,
+    drain_seconds: Annotated[float, typer.Option(
+        min=0, help="On SIGINT/SIGTERM, how long the running jobs have to finish before they "
+                    "go back to the queue, uncharged.")] = 45.0,
 ) -> None:
     """Load the model once on --dp ranks, then render queued jobs until stopped (Ctrl-C)."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
@@ -28,5 +31,6 @@ def worker(
         raise typer.BadParameter(f"--device must be cpu, cuda or npu, got {device!r}")
     if dp < 1:
         raise typer.BadParameter(f"--dp must be >= 1, got {dp}")
-    config = WorkerConfig(dp=dp, model=model, device=device, use_allgather=allgather)
+    config = WorkerConfig(dp=dp, model=model, device=device, use_allgather=allgather,
+                          drain_seconds=drain_seconds)
     raise typer.Exit(run_worker(get_settings(), config))
