@@ -11,6 +11,7 @@ WORKDIR /app
 # torch first and alone: it is the big layer and changes least often.
 RUN pip install "${TORCH_SPEC}"
 COPY pyproject.toml README.md alembic.ini ./
+COPY common ./common
 COPY kiln ./kiln
 COPY api ./api
 COPY scheduler ./scheduler
@@ -19,7 +20,7 @@ COPY storage ./storage
 COPY migrations ./migrations
 RUN pip install ".[postgres,s3]"
 
-ENV KILN_OUTPUT_DIR=/data/outputs
+ENV KILN_OUTPUT_DIR=/data/outputs KILN_DATA_DIR=/data
 RUN useradd --create-home kiln && mkdir -p /data/outputs /data/models && chown -R kiln /data
 USER kiln
 EXPOSE 8000

@@ -2,7 +2,9 @@
 
 Every error body carries ``detail`` (a sentence saying what was wrong) and ``error`` in the OpenAI
 shape (``message``, ``type``, ``param``, ``code``), so both native clients and the OpenAI SDK get
-a reason. Validation errors name the offending field.
+a reason. Validation errors name the offending field. A database or Redis that cannot be reached
+is a 503 with ``Retry-After`` (the client should come back; nothing is wrong with its request),
+and anything unexpected is a 500 in the same JSON shape, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import redis.exceptions
+import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from storage.outages import is_database_outage
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,40 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=exc.headers)
+
+    async def _database_down(request: Request, exc: Exception) -> JSONResponse:
+        if not is_database_outage(exc):
+            raise exc  # a bug, not an outage: the 500 below
+        return unavailable(request, "database", exc)
+
+    async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
+        return unavailable(request, "redis", exc)
+
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # The server logs the traceback (Starlette re-raises after this response is sent).
+        return JSONResponse(error_body(500, "internal error; the server log has the details",
+                                       code="internal_error"), status_code=500)
+
+    for db_error in (sqlalchemy.exc.OperationalError, sqlalchemy.exc.DBAPIError,
+                     sqlalchemy.exc.TimeoutError, sqlalchemy.exc.DisconnectionError):
+        app.add_exception_handler(db_error, _database_down)
+    for redis_error in (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        app.add_exception_handler(redis_error, _redis_down)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+def unavailable(request: Request, dependency: str, exc: BaseException) -> JSONResponse:
+    """503 for a request that found ``dependency`` ("database" or "redis") unreachable."""
+    log.warning("%s unavailable during %s %s: %s", dependency, request.method,
+                request.url.path, type(exc).__name__)
+    retry_after = request.app.state.settings.unavailable_retry_after_seconds
+    return JSONResponse(
+        error_body(503, f"{_NAMES[dependency]} is unreachable; retry in {retry_after} s",
+                   code=f"{dependency}_unavailable"),
+        status_code=503, headers={"Retry-After": str(retry_after)})
+
+
+_NAMES = {"database": "the database", "redis": "Redis"}
 
 
 class BodySizeLimit:

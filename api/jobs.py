@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from api.schemas import (
     metadata_bytes,
 )
 from common import netguard
-from common.families import GENERIC, family_of
+from common.families import GENERIC, Family, checkpoint_family, family_of, tokens
 from common.render import RequestDefaults
 from common.settings import Settings
 from scheduler import queue_index
@@ -47,12 +48,78 @@ class _Problems:
     def __init__(self) -> None:
         self.errors: list[dict[str, Any]] = []
 
-    def add(self, field: str, message: str) -> None:
-        self.errors.append({"loc": ("body", field), "msg": message, "type": "limit"})
+    def add(self, field: str | None, message: str) -> None:
+        """``field`` None: the request as a whole (a bound on several fields at once)."""
+        loc = ("body",) if field is None else ("body", field)
+        self.errors.append({"loc": loc, "msg": message, "type": "limit"})
 
     def raise_if_any(self) -> None:
         if self.errors:
             raise RequestValidationError(self.errors)
+
+
+def admission_family(s: Settings, model: str) -> Family:
+    """The family whose rules a request for ``model`` is held to: the checkpoint's own
+    (`common.families.checkpoint_family`, what its pipeline checks when the job starts);
+    `GENERIC` for a model this API does not serve, which is never looked up on disk."""
+    return checkpoint_family(model) if model in s.models else GENERIC
+
+
+def size_multiple(s: Settings, family: Family) -> int:
+    """Width and height are multiples of this: of the family's multiple and the deployment's."""
+    return math.lcm(family.size_multiple, s.size_multiple)
+
+
+def frame_stride(s: Settings, family: Family) -> int:
+    """A clip has 1 + k x this many frames: the family's stride and the deployment's."""
+    return math.lcm(family.frame_stride, s.frame_stride)
+
+
+def _nearest(value: int, step: int, low: int, high: int, base: int = 0) -> str:
+    """The valid values (``base`` + k x ``step`` within [low, high]) either side of ``value``,
+    as a clause for a message ("" when none is in range)."""
+    below = base + (value - base) // step * step
+    found = [str(v) for v in (below, below + step) if low <= v <= high]
+    return f"; nearest: {' or '.join(found)}" if found else ""
+
+
+def _most_frames(spec: JobSpec, family: Family, stride: int, max_tokens: int) -> int | None:
+    """The most frames (1 + k x ``stride``, no more than the request's) that keep ``spec``'s
+    size within ``max_tokens``; None when one frame is already too many."""
+    for k in range((spec.num_frames - 1) // stride, -1, -1):
+        if tokens(spec.width, spec.height, 1 + k * stride, family=family) <= max_tokens:
+            return 1 + k * stride
+    return None
+
+
+def _check_work(p: _Problems, s: Settings, spec: JobSpec, family: Family, stride: int,
+                seconds: bool) -> None:
+    """The largest job the deployment accepts (``max_job_tokens`` per step, ``max_job_work``
+    in tokens x steps), in video tokens per transformer forward (`common.families.tokens`)."""
+    num_tokens = tokens(spec.width, spec.height, spec.num_frames, family=family)
+    shape = f"{spec.width}x{spec.height}, {spec.num_frames} frames"
+    max_tokens = s.max_job_tokens or family.max_tokens
+    max_work = s.max_job_work or 50 * max_tokens
+    if num_tokens > max_tokens:
+        fit = _most_frames(spec, family, stride, max_tokens)
+        at = f"at {spec.width}x{spec.height}"
+        if fit is not None and seconds and (fit - 1) // spec.fps >= 1:
+            how = f"fewer seconds (at most {(fit - 1) // spec.fps} {at}) or a smaller size"
+        elif fit is not None and not seconds:
+            how = f"fewer frames (at most {fit} {at}) or a smaller size"
+        else:
+            how = "a smaller size"
+        p.add(None, f"the job is too large: {shape} is {num_tokens:,} video tokens per step, "
+                    f"over this deployment's max_job_tokens of {max_tokens:,}; use {how}")
+        return
+    work = num_tokens * spec.num_inference_steps
+    if work > max_work:
+        steps = max_work // num_tokens
+        fewer = f"fewer steps (at most {steps} at {shape}), " if steps else ""
+        p.add(None, f"the job is too large: {shape} is {num_tokens:,} video tokens x "
+                    f"{spec.num_inference_steps} steps = {work:,}, over this deployment's "
+                    f"max_job_work of {max_work:,}; use {fewer}a smaller size or fewer "
+                    f"{'seconds' if seconds else 'frames'}")
 
 
 def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
@@ -60,21 +127,37 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
                   frames_field: str = "num_frames") -> None:
     if spec.model not in s.models:
         p.add("model", f"unknown model {spec.model!r}; available: {', '.join(s.models)}")
-    # The deployment's rule for sizes and lengths (settings), the same for every model. A family
-    # that needs more (``common.families``: kiln-tiny, Wan and CogVideoX take multiples of 16)
-    # has its pipeline refuse the rest when the job runs.
-    for field, value, bound in ((size_fields[0], spec.width, s.max_width),
-                                (size_fields[1], spec.height, s.max_height)):
+    # Sizes and lengths by the model's own rule and the deployment's at once, so that what is
+    # accepted here is what the model's pipeline renders.
+    family = admission_family(s, spec.model)
+    multiple, stride = size_multiple(s, family), frame_stride(s, family)
+    shape_ok = True
+    for field, name, value, bound in ((size_fields[0], "width", spec.width, s.max_width),
+                                      (size_fields[1], "height", spec.height, s.max_height)):
+        which = "" if field == name else f"{name} "  # the OpenAI body's one ``size`` field
         if not s.min_size <= value <= bound:
-            p.add(field, f"must be between {s.min_size} and {bound}, got {value}")
-        elif value % s.size_multiple:
-            p.add(field, f"must be a multiple of {s.size_multiple}, got {value}")
+            p.add(field, f"{which}must be between {s.min_size} and {bound}, got {value}")
+            shape_ok = False
+        elif value % multiple:
+            p.add(field, f"{which}must be a multiple of {multiple}, got {value}"
+                         f"{_nearest(value, multiple, s.min_size, bound)}")
+            shape_ok = False
+    seconds = frames_field == "seconds"  # the OpenAI body gives the length in seconds
     if spec.num_frames > s.max_num_frames:
-        p.add(frames_field, f"at most {s.max_num_frames} frames, got {spec.num_frames}")
-    elif (spec.num_frames - 1) % s.frame_stride:
-        p.add(frames_field, f"must be 1 + a multiple of {s.frame_stride} frames "
-                            f"(1, {1 + s.frame_stride}, {1 + 2 * s.frame_stride}, ...), "
-                            f"got {spec.num_frames}")
+        if seconds:
+            most = (s.max_num_frames - 1) // stride * stride // spec.fps
+            p.add(frames_field, f"at most {most} s at {spec.fps} fps ({s.max_num_frames} frames), "
+                                f"got {spec.num_frames} frames; use fewer seconds or a lower fps")
+        else:
+            p.add(frames_field, f"at most {s.max_num_frames} frames, got {spec.num_frames}")
+        shape_ok = False
+    elif (spec.num_frames - 1) % stride:
+        p.add(frames_field, f"must be 1 + a multiple of {stride} frames "
+                            f"(1, {1 + stride}, {1 + 2 * stride}, ...), got {spec.num_frames}"
+                            f"{_nearest(spec.num_frames, stride, 1, s.max_num_frames, base=1)}")
+        shape_ok = False
+    if shape_ok:
+        _check_work(p, s, spec, family, stride, seconds)
     if spec.fps > s.max_fps:
         p.add("fps", f"at most {s.max_fps}, got {spec.fps}")
     if spec.num_inference_steps > s.max_num_inference_steps:
@@ -163,8 +246,10 @@ def spec_from_video_create(body: VideoCreate, s: Settings, now: datetime) -> Job
         if seconds < 1:
             p.add("seconds", "must be at least 1")
         # Wan's convention: N seconds at F fps is 1 + N*F frames (5 s at 16 fps: 81), rounded
-        # up to the frame stride the video VAE needs.
-        num_frames = 1 + -(-seconds * fps // s.frame_stride) * s.frame_stride
+        # up to the model's frame stride (its VAE's and the deployment's), so the count is one
+        # the model renders.
+        stride = frame_stride(s, admission_family(s, model))
+        num_frames = 1 + -(-seconds * fps // stride) * stride
     spec = JobSpec(
         model=model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
         height=height, num_frames=num_frames, fps=fps,

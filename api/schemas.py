@@ -332,6 +332,7 @@ class RankPublic(BaseModel):
     device_mem_total_bytes: int | None = None
     host_mem_bytes: int | None = None
     job_id: str | None = None  # only when the caller may see that job
+    pid: int | None = None  # the rank's process on its host
 
 
 class WorkerGroupPublic(BaseModel):
@@ -343,7 +344,8 @@ class WorkerGroupPublic(BaseModel):
     platform: str
     dp_size: int
     world_size: int
-    state: str
+    state: str = Field(description="starting | ready | degraded | stopping | stopped")
+    reason: str | None = Field(default=None, description="why, when degraded")
     stale: bool
     started_at: datetime
     heartbeat_at: datetime

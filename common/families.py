@@ -3,24 +3,28 @@ the fields it leaves out, and the geometry of its latents.
 
 A model renders best at the size, length and step count it was trained for: kiln-tiny at 64x64
 and 9 frames, Wan at 832x480 and 81 frames. The API fills a job's missing fields from its
-family's ``defaults`` (a ``KILN_DEFAULT_*`` setting, when set, wins for every model); the
-runtime loads the pipeline the family names and refuses sizes and lengths the family cannot
-render; the batcher counts a job's video tokens with the family's VAE and patch. Reading this
-needs no torch and no weights: kiln-tiny is known by name, a diffusers directory by the pipeline
-class its ``model_index.json`` names (`family_of`).
+family's ``defaults`` (a ``KILN_DEFAULT_*`` setting, when set, wins for every model) and refuses
+at submit the sizes and lengths the family cannot render, by the rule the runtime's pipeline
+checks again when the job starts; the runtime loads the pipeline the family names; the API's
+bound on one job and the batcher's cost count a job's video tokens with the family's VAE and
+patch (`tokens`). Reading this needs no torch and no weights: kiln-tiny is known by name, a
+diffusers directory by the pipeline class its ``model_index.json`` names (`family_of`).
 
 The numbers are those of the released checkpoints, read from their diffusers configs and
 pipelines (diffusers 0.42). Where one checkpoint differs (Wan2.2 TI2V-5B's VAE compresses 16x in
 space, CogVideoX 1.5 patches time by 2), the runtime reads the loaded model's own config, and
-the family's numbers stay the floor (sizes) and the estimate (tokens).
+the family's numbers stay the floor (sizes) and the estimate (tokens); `checkpoint_family` reads
+the same configs from the model directory, so the API holds a request to the runtime's rule.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from common.render import RequestDefaults
 
@@ -44,6 +48,9 @@ class Family:
     patch_size: tuple[int, int, int]  # the transformer's patch: (frames, height, width)
     vae_scale_factor_spatial: int  # pixels per latent pixel, along height and width
     vae_scale_factor_temporal: int  # frames per latent frame, after the first (a causal VAE)
+    # The largest job a deployment accepts unless it says otherwise (Settings.max_job_tokens):
+    # video tokens per step (`tokens`). The work bound is this step 50 times.
+    max_tokens: int
 
 
 # kiln-tiny (``runtime.models.tiny.TinyConfig``): spatial_compression 8 times patch_size 2, and
@@ -55,6 +62,9 @@ TINY = Family(
                              guidance_scale=5.0),
     size_multiple=16, frame_stride=4, patch_size=(1, 2, 2),
     vae_scale_factor_spatial=8, vae_scale_factor_temporal=4,
+    # It renders on CPUs: 16,384 tokens (1024x1024, 13 frames) is a 20 s step on one core of a
+    # 2-core machine (one rank of `--dp 2`), a sixth of the default lease; see Settings.
+    max_tokens=16_384,
 )
 # Wan2.1 and Wan2.2 T2V: ``WanPipeline.__call__``'s defaults (832x480, 81 frames, 50 steps,
 # guidance 5) at the 16 fps of its examples; ``check_inputs`` wants sizes divisible by 16;
@@ -66,6 +76,7 @@ WAN = Family(
                              num_inference_steps=50, guidance_scale=5.0),
     size_multiple=16, frame_stride=4, patch_size=(1, 2, 2),
     vae_scale_factor_spatial=8, vae_scale_factor_temporal=4,
+    max_tokens=75_600,  # its largest released setting: 1280x720, 81 frames
 )
 # CogVideoX: ``CogVideoXPipeline.__call__``'s defaults (the transformer's sample size 90x60
 # latents times the VAE's 8: 720x480; 49 frames, 50 steps, guidance 6) at the 8 fps of its
@@ -78,6 +89,7 @@ COGVIDEOX = Family(
                              num_inference_steps=50, guidance_scale=6.0),
     size_multiple=16, frame_stride=4, patch_size=(1, 2, 2),
     vae_scale_factor_spatial=8, vae_scale_factor_temporal=4,
+    max_tokens=85_680,  # CogVideoX1.5's 1360x768, 81 frames, counted without its time patch
 )
 # Anything else: no pipeline; defaults small enough to finish on a CPU, large enough to see; the
 # geometry of a typical video DiT (a causal VAE of 4x8x8, patch 1x2x2) for its cost.
@@ -87,6 +99,7 @@ GENERIC = Family(
                              num_inference_steps=30, guidance_scale=5.0),
     size_multiple=16, frame_stride=4, patch_size=(1, 2, 2),
     vae_scale_factor_spatial=8, vae_scale_factor_temporal=4,
+    max_tokens=16_384,
 )
 
 FAMILIES = (TINY, WAN, COGVIDEOX)
@@ -105,3 +118,86 @@ def family_of(model: str) -> Family:
         return GENERIC
     name = index.get("_class_name") if isinstance(index, dict) else None
     return _BY_DIFFUSERS_CLASS.get(name, GENERIC) if isinstance(name, str) else GENERIC
+
+
+def latent_shape(width: int, height: int, num_frames: int, *,
+                 family: Family) -> tuple[int, int, int]:
+    """(frames, height, width) of the latent video: a causal VAE keeps the first frame alone."""
+    if width <= 0 or height <= 0 or num_frames <= 0:
+        raise ValueError(f"size and frames must be positive, got {width}x{height}, "
+                         f"{num_frames} frames")
+    st, s = family.vae_scale_factor_temporal, family.vae_scale_factor_spatial
+    return (num_frames - 1) // st + 1, math.ceil(height / s), math.ceil(width / s)
+
+
+def tokens(width: int, height: int, num_frames: int, *, family: Family) -> int:
+    """Video tokens one transformer forward of ``family`` sees (e.g. 64x64, 9 frames on
+    kiln-tiny: 3x4x4=48): the latent video in patches, a partial patch counted whole (the
+    runtime pads a clip to whole time patches)."""
+    f, h, w = latent_shape(width, height, num_frames, family=family)
+    pt, ph, pw = family.patch_size
+    return math.ceil(f / pt) * math.ceil(h / ph) * math.ceil(w / pw)
+
+
+def _config(model: str, component: str) -> dict[str, Any]:
+    try:
+        config = json.loads((Path(model) / component / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else default
+
+
+def _wan_geometry(model: str, family: Family) -> dict[str, Any]:
+    # ``WanPipeline``: the VAE's scale_factor_spatial and scale_factor_temporal (Wan2.2
+    # TI2V-5B: 16 and 4); ``WanTransformer3DModel``: patch_size (frames, height, width).
+    vae, transformer = _config(model, "vae"), _config(model, "transformer")
+    patch = transformer.get("patch_size")
+    if not (isinstance(patch, list) and len(patch) == 3):
+        patch = family.patch_size
+    return {"vae_scale_factor_spatial": _int(vae.get("scale_factor_spatial"),
+                                             family.vae_scale_factor_spatial),
+            "vae_scale_factor_temporal": _int(vae.get("scale_factor_temporal"),
+                                              family.vae_scale_factor_temporal),
+            "patch_size": tuple(_int(p, d) for p, d in zip(patch, family.patch_size,
+                                                          strict=True))}
+
+
+def _cogvideox_geometry(model: str, family: Family) -> dict[str, Any]:
+    # ``CogVideoXPipeline``: 2 ** (VAE blocks - 1) in space, the VAE's
+    # temporal_compression_ratio in time; the transformer's patch_size, and patch_size_t
+    # (CogVideoX 1.5: 2; None: no time patch).
+    vae, transformer = _config(model, "vae"), _config(model, "transformer")
+    blocks = vae.get("block_out_channels")
+    spatial = (2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks
+               else family.vae_scale_factor_spatial)
+    patch = _int(transformer.get("patch_size"), family.patch_size[1])
+    return {"vae_scale_factor_spatial": spatial,
+            "vae_scale_factor_temporal": _int(vae.get("temporal_compression_ratio"),
+                                              family.vae_scale_factor_temporal),
+            "patch_size": (_int(transformer.get("patch_size_t"), 1), patch, patch)}
+
+
+_GEOMETRY = {WAN.name: _wan_geometry, COGVIDEOX.name: _cogvideox_geometry}
+
+
+@functools.cache
+def checkpoint_family(model: str) -> Family:
+    """`family_of(model)` with the geometry the checkpoint's own configs give (its VAE's factors,
+    its transformer's patch), read as the runtime reads them from the loaded model: sizes are
+    multiples of the larger of the family's ``size_multiple`` and VAE factor x patch, and a clip
+    has 1 + k x the VAE's time factor frames. Wan2.2 TI2V-5B (a VAE of 16 in space): multiples
+    of 32. A missing or unreadable config keeps the family's numbers (diffusers' defaults)."""
+    family = family_of(model)
+    read = _GEOMETRY.get(family.name)
+    if read is None:
+        return family
+    geometry = read(model, family)
+    spatial = geometry["vae_scale_factor_spatial"]
+    _, ph, pw = geometry["patch_size"]
+    return replace(family, **geometry, frame_stride=geometry["vae_scale_factor_temporal"],
+                   size_multiple=max(family.size_multiple, spatial * max(ph, pw)))

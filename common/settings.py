@@ -2,7 +2,8 @@
 
 Values come from the environment (prefix ``KILN_``; ``DATABASE_URL`` and ``REDIS_URL`` are also
 accepted unprefixed because every hosting platform sets those) or a ``.env`` file. The defaults run
-on a laptop: a SQLite file and an output directory under ``./var``.
+on a laptop: a SQLite file and an output directory under ``./var``. Only the environment does not
+default to the laptop's (``local``): `kiln up` sets it for its children.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ class Settings(BaseSettings):
         env_prefix="KILN_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
     )
 
-    # "local" only warns about placeholder secrets; anything else refuses to start with them.
-    environment: Literal["local", "staging", "production"] = "local"
+    # "local" (what `kiln up` sets for its children: a developer's machine) only warns about
+    # placeholder secrets and lets webhooks reach private addresses; anything else refuses to
+    # start with placeholders and keeps webhooks on public addresses. A deployment that forgets
+    # to say gets the guarded behaviour.
+    environment: Literal["local", "staging", "production"] = "production"
 
     database_url: str = Field(
         default="sqlite:///./var/kiln.db",
@@ -40,6 +44,9 @@ class Settings(BaseSettings):
     # (and tests can clean up exactly their own keys).
     redis_prefix: str = "kiln:"
 
+    # The deployment's own state files: Celery beat's schedule; under `kiln up`, its private
+    # Redis, the admin key and logs/ (one file per child).
+    data_dir: Path = Path("./var")
     # Output store: a local directory unless storage_url is given (s3://bucket/optional/prefix).
     output_dir: Path = Path("./var/outputs")
     storage_url: str | None = None
@@ -54,6 +61,8 @@ class Settings(BaseSettings):
     api_key_cache_seconds: float = Field(default=10.0, ge=0)
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=1, le=65535)
+    # The Retry-After of a 503 the API answers while the database or Redis is unreachable.
+    unavailable_retry_after_seconds: int = Field(default=5, ge=1)
 
     # Models a job may name; the first is used when a request names none.
     models: list[str] = Field(default_factory=lambda: ["kiln-tiny"], min_length=1)
@@ -71,14 +80,29 @@ class Settings(BaseSettings):
     min_size: int = Field(default=16, ge=8)
     max_width: int = Field(default=1920, ge=16)
     max_height: int = Field(default=1920, ge=16)
-    size_multiple: int = Field(default=8, ge=1)  # latent patching needs sizes divisible by this
+    # Latent patching needs sizes divisible by this. Each model is also held to its family's own
+    # multiple (common.families: 16 for kiln-tiny, Wan and CogVideoX): a request must meet both.
+    size_multiple: int = Field(default=8, ge=1)
     # Video VAEs compress time by this factor after the first frame (Wan, kiln-tiny: 4), so a
-    # video has 1 + k * frame_stride frames.
+    # video has 1 + k * frame_stride frames; the family's own stride applies too.
     frame_stride: int = Field(default=4, ge=1)
     max_num_frames: int = Field(default=257, ge=1)
     max_fps: int = Field(default=60, ge=1)
     default_fps: int | None = Field(default=None, ge=1)
     max_num_inference_steps: int = Field(default=200, ge=1)
+    # The largest job accepted, in video tokens per step (what one transformer forward sees,
+    # common.families.tokens; a step's time grows faster than its tokens, attention being
+    # quadratic) and in tokens x steps. Unset: each model family's own bound
+    # (common.families.Family.max_tokens, and that step 50 times), which for kiln-tiny, the
+    # family that renders on CPUs, keeps a step well under lease_seconds. Measured for
+    # kiln-tiny on a 2-core AMD EPYC, one torch thread (one rank of `--dp 2`), CFG on: 0.70 s
+    # per step at 3,072 tokens (512x512, 9 frames; 2.3e-4 s per token), 9.0 s at 12,288
+    # (1024x1024, 9 frames; 7.3e-4 s per token), 20 s at 16,384 (1024x1024, 13 frames), so
+    # 16,384 keeps the largest step near a sixth of the default 120 s lease. The work bound is
+    # that step 50 times (the step count Wan and CogVideoX default to): about 17 minutes on that
+    # CPU. Wan's and CogVideoX's bounds are their largest released sizes.
+    max_job_tokens: int | None = Field(default=None, ge=1)
+    max_job_work: int | None = Field(default=None, ge=1)
     max_guidance_scale: float = Field(default=50.0, gt=0)
     max_prompt_chars: int = Field(default=4000, ge=1)
     max_metadata_bytes: int = Field(default=4096, ge=2)

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -83,9 +82,15 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         timezone="UTC",
         broker_connection_retry_on_startup=True,
         beat_schedule=beat_schedule(settings),
-        beat_schedule_filename=os.path.join(
-            tempfile.gettempdir(), f"kiln-beat-{_safe(settings.redis_prefix)}"),
+        # Beat's record of the last runs belongs to the deployment, beside its other state,
+        # not to a temporary directory that is shared and cleaned behind its back.
+        beat_schedule_filename=str(beat_schedule_path(settings)),
     )
+
+
+def beat_schedule_path(settings: Settings) -> Path:
+    """Where beat keeps its schedule: under ``data_dir``, one file per Redis prefix."""
+    return (settings.data_dir / f"celery-beat-{_safe(settings.redis_prefix)}").absolute()
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:

@@ -22,13 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 from redis import Redis, RedisError
@@ -52,15 +51,31 @@ from scheduler import queue_index
 from scheduler.attempts import Ending, finish_attempt
 from scheduler.claim import claim_for_group, job_tokens, record_result
 from scheduler.policy import RunningJob
-from storage import lifecycle
+from storage import lifecycle, queries, workers
 from storage.db import make_engine, make_session_factory
-from storage.outputs import OutputStore, make_store, thumbnail_key, video_key
+from storage.outages import describe, is_outage
+from storage.outputs import OutputStore, make_store
 from storage.tables import Job, JobState
-from storage.video import write_outputs
+from storage.video import OutputWriter
 from storage.workers import GroupReport, report_group
 
 log = logging.getLogger(__name__)
 
+def job_log(event: str, *, job: str, attempt: int | None = None, rank: int | None = None,
+            **fields: object) -> None:
+    """One line per job event, ``key=value`` after the event's name, so that one job's life can
+    be followed with grep: ``event=claimed job=... attempt=1 rank=0 group=...``."""
+    parts = [f"event={event}", f"job={job}", f"attempt={attempt}", f"rank={rank}"]
+    parts += [f"{k}={v if isinstance(v, int | float) or v is None else repr(str(v))}"
+              for k, v in fields.items()]
+    log.info(" ".join(parts))
+
+
+# While a server is out, claims pause for a backoff that doubles up to this.
+MAX_BACKOFF_SECONDS = 10.0
+# On the way out, how long the group keeps trying to hand its jobs back through an outage.
+GIVE_BACK_SECONDS = 5.0
+MAX_RESTART_BACKOFF_SECONDS = 30.0
 # After the drain deadline, how long the ranks have to leave before the launcher kills them:
 # enough for the step in progress on a CPU, the hand-back, and the group's last report.
 STOP_GRACE_SECONDS = 10.0
@@ -80,6 +95,12 @@ class WorkerConfig:
     # then they are handed back, uncharged, and the ranks leave. docker-compose.yml gives the
     # worker a stop grace period above it.
     drain_seconds: float = 45.0
+    # Every collective on the ranks returns or raises within this: a hung rank makes its peers
+    # raise, and the group is started again. Above the longest step the admission rules let in.
+    collective_timeout_seconds: float = 600.0
+    max_restarts: int = 5  # rank set restarts allowed within restart_window_seconds
+    restart_window_seconds: float = 600.0
+    group_id: str = ""  # given by the launcher to each rank set it starts; new one if empty
     name: str = ""
 
 
@@ -99,14 +120,19 @@ class LeaseKeeper:
         self.interval_seconds = max(0.5, coordinator.settings.lease_seconds / 4)
         # job id -> attempt token; replaced whole by the loop's thread, read by this one.
         self._attempts: dict[str, str] = {}
-        self.ended: dict[str, str] = {}  # job id -> why its attempt ended outside the loop
+        # attempt token -> why that attempt ended outside the loop (by token: the same job may
+        # come back to this group in a later attempt)
+        self.ended: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-leases", daemon=True)
 
-    def track(self, running: dict[int, Ticket], writing: dict[str, RankStatus]) -> None:
+    def track(self, running: dict[int, Ticket], *held: dict[str, RankStatus]) -> None:
+        """The attempts to keep: ``running``, and those whose files are being written or whose
+        final transition waits (``held``: job id -> status)."""
         attempts = {t.job_id: t.attempt_token for t in running.values()}
-        attempts.update((job_id, st.attempt_token) for job_id, st in writing.items()
-                        if st.attempt_token is not None)
+        for statuses in held:
+            attempts.update((job_id, st.attempt_token) for job_id, st in statuses.items()
+                            if st.attempt_token is not None)
         self._attempts = attempts
 
     def start(self) -> None:
@@ -120,7 +146,7 @@ class LeaseKeeper:
     def _run(self) -> None:
         c = self.coordinator
         while not self._stop.wait(self._until_next_tick()):
-            attempts = {j: t for j, t in self._attempts.items() if j not in self.ended}
+            attempts = {j: t for j, t in self._attempts.items() if t not in self.ended}
             if not attempts:
                 continue
             try:
@@ -143,7 +169,9 @@ class LeaseKeeper:
         lease = self.coordinator.settings.lease_seconds
         for job_id, token in attempts.items():
             if lifecycle.heartbeat(session, job_id, token, lease_seconds=lease) is None:
-                self.ended[job_id] = "the lease of this attempt was lost"
+                self.ended[token] = "the lease of this attempt was lost"
+                job_log("lease_lost", job=job_id,
+                        attempt=self.coordinator.attempt_numbers.get(token))
 
     def hand_back(self, session: Session, attempts: dict[str, str]) -> None:
         """Ends ``attempts`` (job id -> token) as handed back, uncharged: the drain is over."""
@@ -153,9 +181,9 @@ class LeaseKeeper:
         for job_id, token in attempts.items():
             finish_attempt(session, c.redis, c.settings.redis_prefix, job_id, token, drained,
                            notify=c.notify)
-            self.ended[job_id] = "handed back: the worker group stopped"
-            log.info("job %s: handed back, uncharged (drain of %.0f s over)", job_id,
-                     c.config.drain_seconds)
+            self.ended[token] = "handed back: the worker group stopped"
+            job_log("handed_back", job=job_id, attempt=c.attempt_numbers.get(token),
+                    charged=False, why=f"drain of {c.config.drain_seconds:.0f} s over")
 
 
 class Coordinator:
@@ -188,7 +216,7 @@ class Coordinator:
             raise ValueError("the worker needs REDIS_URL (kiln up sets it for its children)")
         self.redis = Redis.from_url(settings.redis_url)
         host = socket.gethostname()
-        self.group_id = f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.group_id = config.group_id or new_group_id()
         self.host = host
         self.running: dict[int, Ticket] = {}  # rank -> job it renders
         # Rendered jobs whose files their rank is still writing: job id -> its "rendered" status.
@@ -197,6 +225,15 @@ class Coordinator:
         self.cancels: dict[int, str] = {}  # rank -> reason, sent with the next plan
         self.stopping = False
         self.drain_deadline: float | None = None  # monotonic; set when a stop is asked for
+        # Final transitions an outage held back: job id -> the rank's status, tried every turn.
+        self.unfinished: dict[str, RankStatus] = {}
+        self.attempt_numbers: dict[str, int] = {}  # attempt token -> its number, for the log
+        self.degraded: str | None = None  # why, while a server or the output store is out
+        # While any rank's output store fails: why (no claims meanwhile; its finished jobs wait).
+        self.store_error: str | None = None
+        self.full_ranks: set[int] = set()  # ranks holding all the finished jobs they may
+        self._backoff = 0.0  # seconds claims pause after the last outage error
+        self._claims_resume_at = 0.0  # monotonic
         self._last_report = 0.0
         self._last_work = time.monotonic()
         self.leases = LeaseKeeper(self)
@@ -207,9 +244,12 @@ class Coordinator:
         log.info("worker group %s: %d rank(s), model %s, %s", self.group_id, self.world,
                  self.config.model, self.mode)
 
-    def stop(self, memory: dict[str, Any]) -> None:
+    def stop(self, memory: dict[str, Any], *, failed: bool = False) -> None:
         self.leases.stop()
-        self.give_back()
+        if not failed:
+            self.give_back()
+        # else the launcher ends the attempts, charging the job of the rank that died
+        # (`recover_attempts`); without a launcher (torchrun) the leases lapse.
         self.report([memory], state="stopped")
 
     # The plan for the next step.
@@ -224,18 +264,31 @@ class Coordinator:
             if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
                 self._hand_back_running()
             for rank, ticket in self.running.items():
-                ended = self.leases.ended.get(ticket.job_id)
+                ended = self.leases.ended.get(ticket.attempt_token)
                 if ended is not None:  # its lease was lost, or it was handed back at the deadline
                     self.cancels.setdefault(rank, ended)
             plan = StepPlan(drop=dict(self.cancels))
             self.cancels.clear()
             for rank in plan.drop:
                 self.running.pop(rank, None)
-            free = [r for r in range(self.world) if r not in self.running]
-            if free and not self.stopping:
-                plan.assign = self._claim(free)
+            # Finished jobs handed back (or whose lease was lost) while their files were still
+            # being written: their ranks drop them.
+            plan.abandon = [j for j, st in self.writing.items()
+                            if st.attempt_token in self.leases.ended]
+            for job_id in plan.abandon:
+                self.writing.pop(job_id)
+            free = [r for r in range(self.world)
+                    if r not in self.running and r not in self.full_ranks]
+            if (free and not self.stopping and self.store_error is None
+                    and time.monotonic() >= self._claims_resume_at):
+                try:
+                    plan.assign = self._claim(free)
+                except Exception as exc:
+                    self._outage(None, exc)
+                else:
+                    self._recovered()
                 self.running.update(plan.assign)
-            self.leases.track(self.running, self.writing)
+            self.leases.track(self.running, self.writing, self.unfinished)
             if self.running:
                 self._last_work = time.monotonic()
                 plan.step = True
@@ -248,15 +301,18 @@ class Coordinator:
             if self.stopping or (exit_idle is not None and idle_for > exit_idle):
                 plan.stop = True
                 return plan
-            if plan.drop or time.monotonic() >= deadline:
+            if plan.drop or plan.abandon or time.monotonic() >= deadline:
                 return plan
             self._wait_for_work()
 
     def _hand_back_running(self) -> None:
-        """The drain is over: the running jobs go back to the queue, uncharged (their ranks drop
-        them with the next plan)."""
+        """The drain is over: the running jobs, and the finished ones whose files are not
+        stored yet, go back to the queue, uncharged (their ranks drop them with the next plan)."""
         attempts = {t.job_id: t.attempt_token for t in self.running.values()
-                    if t.job_id not in self.leases.ended}
+                    if t.attempt_token not in self.leases.ended}
+        attempts.update((job_id, st.attempt_token) for job_id, st in self.writing.items()
+                        if st.attempt_token is not None
+                        and st.attempt_token not in self.leases.ended)
         if attempts:
             with self.sessions() as session:
                 self.leases.hand_back(session, attempts)
@@ -284,21 +340,32 @@ class Coordinator:
             tickets[rank] = Ticket(job_id=job.id, attempt_token=claim.attempt_token,
                                    request=VideoRequest.of(job))
             self.steps_left[rank] = job.num_inference_steps
+            self.attempt_numbers[claim.attempt_token] = job.attempts
+            job_log("claimed", job=job.id, attempt=job.attempts, rank=rank,
+                    group=self.group_id)
         return tickets
 
     # What happened in the step.
     def record(self, statuses: list[RankStatus]) -> None:
         lease = self.settings.lease_seconds
         with self.sessions() as session:
+            # Final transitions an outage held back go first: they land, or their lease is gone.
+            for st in list(self.unfinished.values()):
+                self._finish(session, st)
             for st in statuses:
                 if st.job_id is None or st.attempt_token is None:
                     continue
                 if st.outcome is None:
                     self.steps_left[st.rank] = st.num_inference_steps - st.step
-                    beat = lifecycle.heartbeat(session, st.job_id, st.attempt_token,
-                                               step=st.step,
-                                               num_inference_steps=st.num_inference_steps,
-                                               lease_seconds=lease)
+                    try:
+                        beat = lifecycle.heartbeat(session, st.job_id, st.attempt_token,
+                                                   step=st.step,
+                                                   num_inference_steps=st.num_inference_steps,
+                                                   lease_seconds=lease)
+                    except Exception as exc:
+                        # Progress waits for the server; the lease thread keeps the lease.
+                        self._outage(session, exc)
+                        continue
                     if beat is None:
                         self.cancels[st.rank] = "the lease of this attempt was lost"
                     elif beat.cancel_requested:
@@ -312,25 +379,60 @@ class Coordinator:
                     continue
                 self.writing.pop(st.job_id, None)
                 self._finish(session, st)
-        self.leases.track(self.running, self.writing)
+        self._note_writers(statuses)
+        self.leases.track(self.running, self.writing, self.unfinished)
         now = time.monotonic()
         if now - self._last_report >= self.config.report_seconds:
             self.report([st.memory for st in statuses if st.memory])
             self._last_report = now
 
+    def _note_writers(self, statuses: list[RankStatus]) -> None:
+        """What the ranks say of their writes. A rank holding all the finished jobs it may is
+        given no new job. While any rank's output store fails, the group claims nothing (the
+        finished jobs wait for the store, their leases kept, and are not rendered again) and
+        reports itself degraded; claims resume once every rank's writes go through."""
+        ranks = [st for st in statuses if st.job_id is None and st.memory]
+        if not ranks:
+            return
+        self.full_ranks = {st.rank for st in ranks if not st.takes_jobs}
+        failing = [st for st in ranks if st.store_error is not None]
+        reason = (f"the output store is failing (rank {failing[0].rank}: "
+                  f"{failing[0].store_error})" if failing else None)
+        if (reason is None) != (self.store_error is None):
+            if reason is not None:
+                log.warning("worker group %s: %s; claims pause, finished jobs wait for it",
+                            self.group_id, reason)
+            else:
+                log.info("worker group %s: the output store takes files again; claims resume",
+                         self.group_id)
+            self._last_report = 0.0  # say so now
+        # While it fails, the store's reason is the one that holds the group back.
+        if reason is not None or self.degraded == self.store_error:
+            self.degraded = reason
+        self.store_error = reason
+
     def _finish(self, session: Session, st: RankStatus) -> None:
+        """The attempt's final transition; one an outage stops is kept in ``unfinished`` and
+        tried again every turn (the lease thread keeps its lease meanwhile)."""
         assert st.job_id is not None and st.attempt_token is not None
         # The webhook goes out after the commit rather than at the next sweep (best effort:
         # ``notify`` never raises).
-        state = finish_attempt(
-            session, self.redis, self.settings.redis_prefix, st.job_id, st.attempt_token,
-            Ending(outcome=st.outcome, video_key=st.video_key,  # type: ignore[arg-type]
-                   thumbnail_key=st.thumbnail_key, error=st.error, retryable=st.retryable),
-            notify=self.notify)
+        try:
+            state = finish_attempt(
+                session, self.redis, self.settings.redis_prefix, st.job_id, st.attempt_token,
+                Ending(outcome=st.outcome, video_key=st.video_key,  # type: ignore[arg-type]
+                       thumbnail_key=st.thumbnail_key, error=st.error, retryable=st.retryable),
+                notify=self.notify)
+        except Exception as exc:
+            self._outage(session, exc)
+            self.unfinished[st.job_id] = st
+            return
+        self.unfinished.pop(st.job_id, None)
+        attempt = self.attempt_numbers.pop(st.attempt_token, None)
+        job_log("ended", job=st.job_id, attempt=attempt, rank=st.rank,
+                outcome=st.outcome, state=state or "not current", error=st.error)
         if state == JobState.SUCCEEDED:
             self._learn_cost(session, st)
-        elif state is None:
-            log.info("job %s: dropped (%s)", st.job_id, st.error or st.outcome)
 
     def _learn_cost(self, session: Session, st: RankStatus) -> None:
         """Teach the batcher this job's real cost (its rank's own step time, not lock-step
@@ -351,13 +453,19 @@ class Coordinator:
         for r in ranks:
             ticket = self.running.get(r["rank"])
             r["job_id"] = ticket.job_id if ticket else None
+        reason = None
+        if state == "ready" and self.degraded is not None:
+            state, reason = "degraded", self.degraded
         report = GroupReport(id=self.group_id, name=self.config.name or self.group_id,
                              host=self.host, model=self.config.model,
                              mode="allgather" if self.mode == "allgather" else "rank_local",
                              platform=self.platform_name, dp_size=self.world,
-                             world_size=self.world, state=state, ranks=ranks)
+                             world_size=self.world, state=state, reason=reason, ranks=ranks)
         with self.sessions() as session:
-            self._report(session, report)
+            try:
+                self._report(session, report)
+            except Exception as exc:  # the next report says it again
+                self._outage(session, exc)
 
     def give_back(self) -> None:
         """On the way out: jobs still running go back to the queue (the worker stopped)."""
@@ -365,25 +473,52 @@ class Coordinator:
                          code="worker_stopped", retryable=True, charged=False)
         attempts = [(t.job_id, t.attempt_token) for t in self.running.values()]
         attempts += [(job_id, st.attempt_token) for job_id, st in self.writing.items()]
+        deadline = time.monotonic() + GIVE_BACK_SECONDS
         with self.sessions() as session:
+            # Final transitions still held back by an outage: a last try each.
+            for st in list(self.unfinished.values()):
+                self._finish(session, st)
             for job_id, token in attempts:
-                finish_attempt(session, self.redis, self.settings.redis_prefix, job_id,
-                               token or "", stopped, notify=self.notify)
+                while True:
+                    try:
+                        finish_attempt(session, self.redis, self.settings.redis_prefix, job_id,
+                                       token or "", stopped, notify=self.notify)
+                        break
+                    except Exception as exc:
+                        self._outage(session, exc)
+                        if time.monotonic() > deadline:  # the reaper takes it when it lapses
+                            break
+                        time.sleep(0.5)
         self.running.clear()
         self.writing.clear()
 
+    def _outage(self, session: Session | None, exc: Exception) -> None:
+        """A server is out: note it (the group reports itself degraded), pause claims with a
+        backoff, and go on. Anything that is not an outage is raised."""
+        if not is_outage(exc):
+            raise exc
+        if session is not None:
+            session.rollback()
+        reason = describe(exc)
+        if self.degraded is None:
+            log.warning("worker group %s: %s; claims pause, the jobs in hand go on",
+                        self.group_id, reason)
+        self.degraded = reason
+        self._backoff = min(MAX_BACKOFF_SECONDS, max(0.5, 2 * self._backoff))
+        self._claims_resume_at = time.monotonic() + self._backoff
 
-def store_writer(store: OutputStore) -> Callable[[Any, str, int], tuple[str, str]]:
-    """The ranks' ``write``: a finished job's MP4 and thumbnail, into ``store``."""
+    def _recovered(self) -> None:
+        if self.degraded is not None:
+            log.info("worker group %s: the servers answer again; claims resume", self.group_id)
+            self.degraded = None
+            self._last_report = 0.0  # say so now
+        self._backoff = 0.0
 
-    def write(frames: Any, job_id: str, fps: int) -> tuple[str, str]:
-        with tempfile.TemporaryDirectory(prefix="kiln-out-") as tmp:
-            video, thumb = write_outputs(frames, Path(tmp) / f"{job_id}.mp4", fps=fps)
-            store.put(video_key(job_id), Path(video))
-            store.put(thumbnail_key(job_id), Path(thumb))
-        return video_key(job_id), thumbnail_key(job_id)
 
-    return write
+def store_writer(store: OutputStore) -> OutputWriter:
+    """The ranks' ``write``: a finished job's MP4 and thumbnail, into ``store``; while the store
+    fails it keeps the encoded files for the next try."""
+    return OutputWriter(store)
 
 
 def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> None:
@@ -402,27 +537,134 @@ def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> No
 
 def run_worker(settings: Settings, config: WorkerConfig,
                on_started: Callable[[], None] | None = None) -> int:
-    """Start the group: under torchrun this process is one rank; else spawn ``config.dp`` ranks.
+    """Start the group: under torchrun this process is one rank; else spawn ``config.dp`` ranks,
+    and start them again when one dies.
+
+    A rank that dies (or raises, or hangs a collective past ``collective_timeout_seconds``) takes
+    its group down; the launcher then ends the group's attempts at once, charging only the job
+    of the rank that died (`recover_attempts`), and starts a new rank set after a backoff (1 s,
+    doubling to 30 s; the model reloads from the shared mmap). More than ``max_restarts``
+    restarts within ``restart_window_seconds`` is a crash loop: it gives up.
 
     Returns an exit code: 0 after a graceful stop (SIGINT or SIGTERM: the running jobs have
     ``config.drain_seconds`` to finish, then go back to the queue uncharged; a second signal
-    kills the ranks), 1 if a rank died.
+    kills the ranks), 1 after a crash loop.
     """
     if config.dp < 1:
         raise ValueError(f"--dp must be >= 1, got {config.dp}")
     if under_torchrun():
         run_this_rank(serve_rank, settings, config, device=config.device)
         return 0
+    restarts: list[float] = []
+    backoff = 1.0
+    while True:
+        group = replace(config, group_id=config.group_id or new_group_id())
+        started = time.monotonic()
+        try:
+            run_ranks(config.dp, serve_rank, settings, group, device=config.device,
+                      on_started=on_started, timeout_s=None, graceful_stop=True,
+                      stop_timeout_s=config.drain_seconds + STOP_GRACE_SECONDS,
+                      collective_timeout_s=config.collective_timeout_seconds,
+                      log_format="[rank {rank}] %(levelname)s %(message)s")
+            return 0
+        except StopTimeout as exc:
+            # A step ran past the drain: its job was handed back at the deadline already.
+            log.warning("worker group stopped: %s", exc)
+            return 0
+        except RankFailure as exc:
+            log.error("worker group %s failed: %s", group.group_id, exc)
+            recover_attempts(settings, group.group_id, exc)
+            if exc.stopping:
+                return 0
+        now = time.monotonic()
+        if now - started > config.restart_window_seconds:
+            backoff = 1.0  # it ran well for a while: this is not a loop
+        restarts = [t for t in restarts if now - t < config.restart_window_seconds] + [now]
+        if len(restarts) > config.max_restarts:
+            log.error("the ranks failed %d times within %.0f s; not starting them again",
+                      len(restarts), config.restart_window_seconds)
+            return 1
+        log.warning("starting the ranks again in %.0f s", backoff)
+        if _stop_requested_within(backoff):
+            return 0
+        backoff = min(MAX_RESTART_BACKOFF_SECONDS, 2 * backoff)
+
+
+def new_group_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _stop_requested_within(seconds: float) -> bool:
+    """Waits ``seconds``; True if SIGINT or SIGTERM came meanwhile."""
+    asked = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: asked.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        run_ranks(config.dp, serve_rank, settings, config, device=config.device,
-                  on_started=on_started, timeout_s=None, graceful_stop=True,
-                  stop_timeout_s=config.drain_seconds + STOP_GRACE_SECONDS,
-                  log_format="[rank {rank}] %(levelname)s %(message)s")
-    except StopTimeout as exc:
-        # A step ran past the drain: its job was handed back at the deadline already.
-        log.warning("worker group stopped: %s", exc)
-        return 0
-    except RankFailure as exc:
-        log.error("worker group stopped: %s", exc)
-        return 1
-    return 0
+        return asked.wait(seconds)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# Signals that end a process for what it was doing (a crash), and SIGKILL, which is what the
+# kernel's out-of-memory killer sends: the job the rank was rendering may have caused it.
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL,
+                  signal.SIGKILL}
+
+
+# What a rank's traceback says when a collective failed under it (a peer died or hung): the
+# rank is a victim, not the cause.
+_LOST_PEER = ("DistBackendError", "Gloo", "NCCL", "HCCL", "Connection closed by peer",
+              "Timed out")
+
+
+def recover_attempts(settings: Settings, group_id: str, failure: RankFailure) -> None:
+    """Ends the attempts a failed group still holds, now rather than when their leases lapse.
+
+    The job of a rank that crashed (died by a crash signal or SIGKILL, or exited with an error)
+    is charged: it may have caused the crash; a job that crashes its rank every time ends
+    ``dead`` after its attempts. The other ranks' jobs go back uncharged. With no rank to blame
+    (a hang, or the ranks' own report of a lost peer), nothing is charged.
+    """
+    crashed = {r for r in failure.ranks
+               if (code := failure.exit_codes.get(r)) is not None
+               and (code > 0 or -code in _CRASH_SIGNALS)}
+    if not failure.exit_codes and not any(s in str(failure) for s in _LOST_PEER):
+        crashed = set(failure.ranks)  # a rank raised outside a job's step: its job
+    sessions = make_session_factory(make_engine(settings.database_url))
+    redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
+    try:
+        with sessions() as session:
+            held = queries.running_jobs_by_group(session, [group_id]).get(group_id, [])
+            for job in held:
+                if job.attempt_token is None:
+                    continue
+                if job.rank in crashed:
+                    ending = Ending(outcome="failed", error=f"its rank ({job.rank}) crashed "
+                                    "while rendering it", code="rank_crashed", retryable=True)
+                else:
+                    ending = Ending(outcome="failed", error="another rank of its worker group "
+                                    "failed", code="group_failed", retryable=True,
+                                    charged=False)
+                state = finish_attempt(session, redis, settings.redis_prefix,  # type: ignore[arg-type]
+                                       job.id, job.attempt_token, ending,
+                                       notify=_enqueue_job_finished)
+                job_log("recovered", job=job.id, attempt=job.attempts, rank=job.rank,
+                        state=state, charged=ending.charged, error=ending.error)
+            workers.mark_stopped(session, group_id, reason=str(failure).splitlines()[0][:500])
+    except Exception as exc:
+        if not is_outage(exc):
+            raise
+        # The leases lapse and the reaper ends these attempts (charged) instead.
+        log.warning("could not end the attempts of group %s: %s", group_id, describe(exc))
+    finally:
+        if redis is not None:
+            redis.close()
+        sessions.kw["bind"].dispose()
+
+
+def _enqueue_job_finished(session: Session, job_id: str) -> object:
+    # Here, not at the top: Celery (20 MiB a process) loads only when a group failed.
+    from kiln.tasks import enqueue_job_finished
+
+    return enqueue_job_finished(session, job_id)

@@ -21,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import psutil
@@ -34,7 +35,19 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
 class RankFailure(RuntimeError):
-    """A rank raised (not a user mistake), exited, or the ranks ran past their deadline."""
+    """A rank raised (not a user mistake), exited, or the ranks ran past their deadline.
+
+    ``ranks``: the ranks found failed (raised or exited) before the launcher killed the others;
+    empty when none was (a deadline). ``exit_codes``: theirs, where they exited (negative: the
+    signal that ended them). ``stopping``: a stop had been asked for when it happened.
+    """
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = (),
+                 exit_codes: dict[int, int] | None = None, stopping: bool = False) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.exit_codes = exit_codes or {}
+        self.stopping = stopping
 
 
 class StopTimeout(RankFailure):
@@ -87,11 +100,15 @@ def device_for(device: str) -> Any:
     return torch.device(device, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def init_process_group(rank: int, world: int, device: str) -> None:
+def init_process_group(rank: int, world: int, device: str,
+                       timeout_s: float | None = None) -> None:
+    """Joins the group; ``timeout_s`` bounds every collective (a hung peer then raises instead
+    of blocking forever; unset: torch's default)."""
     if device != "cpu":
         mod = torch.cuda if device == "cuda" else torch.npu  # type: ignore[attr-defined]
         mod.set_device(device_for(device))
-    dist.init_process_group(BACKENDS[device], rank=rank, world_size=world)
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group(BACKENDS[device], rank=rank, world_size=world, **timeout)
 
 
 def run_this_rank(fn: Callable[..., Any], *args: Any, device: str = "cpu") -> Any:
@@ -121,8 +138,9 @@ class _Never:
 
 
 def _rank_entry(rank: int, world: int, port: int, device: str, threads: int,
-                log_format: str | None, graceful_stop: bool, fn: Callable[..., Any],
-                args: tuple[Any, ...], messages: Any, stop_event: Any) -> None:
+                log_format: str | None, graceful_stop: bool, collective_timeout_s: float | None,
+                fn: Callable[..., Any], args: tuple[Any, ...], messages: Any,
+                stop_event: Any) -> None:
     stop = _Stop(stop_event)
     # Ctrl-C reaches the whole process group; the launcher decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -137,7 +155,7 @@ def _rank_entry(rank: int, world: int, port: int, device: str, threads: int,
         logging.basicConfig(level=logging.INFO, format=log_format.format(rank=rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     try:
-        init_process_group(rank, world, device)
+        init_process_group(rank, world, device, collective_timeout_s)
         try:
             ctx = RankContext(rank=rank, world=world, device=device, messages=messages,
                               stop=stop)
@@ -157,6 +175,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
               on_started: Callable[[], None] | None = None,
               timeout_s: float | None = 3600.0, threads: int | None = None,
               graceful_stop: bool = False, stop_timeout_s: float | None = None,
+              collective_timeout_s: float | None = None,
               log_format: str | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world`` spawned ranks; their results in rank order.
 
@@ -168,8 +187,9 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
     ``graceful_stop``: SIGINT or SIGTERM to this process (or SIGTERM to a rank) sets every
     rank's ``ctx.stop`` (the ranks finish what they are doing and return); a second signal kills
     them, and so does ``stop_timeout_s`` passing after the first (`StopTimeout`). Without it,
-    Ctrl-C raises ``KeyboardInterrupt`` here and kills the ranks. ``log_format``: configure
-    logging on each rank (``{rank}`` is replaced by its rank).
+    Ctrl-C raises ``KeyboardInterrupt`` here and kills the ranks. ``collective_timeout_s``:
+    bounds every collective on the ranks (a hung rank makes the others raise). ``log_format``:
+    configure logging on each rank (``{rank}`` is replaced by its rank).
     """
     ctx = torch_mp.get_context("spawn")
     messages = ctx.Queue()
@@ -178,7 +198,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
     threads = rank_threads(world) if threads is None else threads
     procs = [ctx.Process(target=_rank_entry,
                          args=(r, world, port, device, threads, log_format, graceful_stop,
-                               fn, args, messages, stop))
+                               collective_timeout_s, fn, args, messages, stop))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -201,20 +221,24 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
     try:
         while len(results) < world:
             if deadline is not None and time.monotonic() > deadline:
-                raise RankFailure(f"ranks timed out after {timeout_s:.0f} s")
+                raise RankFailure(f"ranks timed out after {timeout_s:.0f} s",
+                                  stopping=bool(stop_asked))
             if (stop_timeout_s is not None and stop_asked
                     and time.monotonic() > stop_asked[0] + stop_timeout_s):
                 raise StopTimeout(f"the ranks had not stopped {stop_timeout_s:.0f} s after "
-                                  "they were asked to")
+                                  "they were asked to", stopping=True)
             try:
                 kind, rank, *payload = messages.get(timeout=0.1)
             except queue.Empty:
                 if on_sample is not None:
                     on_sample(_summed_pss(procs))
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                dead = {r: p.exitcode for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0)}
                 if dead:
                     raise _root_cause(messages) or RankFailure(
-                        f"a rank exited with code {dead[0].exitcode}") from None
+                        f"rank {min(dead)} exited with code {dead[min(dead)]}",
+                        ranks=tuple(sorted(dead)), exit_codes=dead,
+                        stopping=bool(stop_asked)) from None
                 continue
             if kind == "done":
                 results[rank] = payload[0]
@@ -223,7 +247,10 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
             elif kind == "error":
                 # A rank whose partner failed fails too (its gather lost a peer): report the
                 # root cause, a user mistake on another rank, when one arrives shortly.
-                raise _root_cause(messages) or RankFailure(f"rank {rank} failed:\n{payload[0]}")
+                dead = _exited(procs)
+                raise _root_cause(messages) or RankFailure(
+                    f"rank {rank} failed:\n{payload[0]}", ranks=tuple(sorted(dead)) or (rank,),
+                    exit_codes=dead, stopping=bool(stop_asked))
             elif on_message is not None:
                 on_message(kind, rank, tuple(payload))
     except BaseException:
@@ -237,6 +264,17 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
         for p in procs:
             p.join(timeout=30)
     return [results[r] for r in range(world)]
+
+
+def _exited(procs: list[Any], wait_s: float = 1.0) -> dict[int, int]:
+    """Ranks that exited with an error within ``wait_s``: when one rank dies, its peers' next
+    collective fails and they report that first, but the dead one is the cause."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
 
 
 def _root_cause(messages: Any, wait_s: float = 2.0) -> ValueError | None:

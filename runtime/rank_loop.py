@@ -14,6 +14,14 @@
    gather. The job's final status follows when its files are stored.
 4. Rank 0 gathers every rank's `RankStatus` and hands them to the driver.
 
+A write the storage refuses (``write`` raises ``OSError``: a full or read-only output directory,
+an object store that cannot be reached) is no fault of the render: the writer thread keeps the
+job (its frames; ``write`` keeps what it encoded) and tries again with a backoff (1 s doubling to
+30 s) until it is stored, never rendering it again. A rank holds at most ``max_held_jobs``
+finished jobs waiting for their files; at the bound it takes no new job (`RankStatus.takes_jobs`)
+and the driver sees why (`RankStatus.store_error`). A job the driver gives up (`StepPlan.abandon`:
+its attempt was handed back) is dropped, and so is every job still held when the loop ends.
+
 While no rank has work, the driver still returns an empty plan every so often, so the other ranks
 never sit in a collective long enough to time out.
 """
@@ -21,9 +29,10 @@ never sit in a collective long enough to time out.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -35,8 +44,23 @@ from runtime.render import frames_to_uint8, memory_figures
 log = logging.getLogger(__name__)
 
 # (uint8 frames [N, H, W, 3] as numpy, job id, fps) -> (video key, thumbnail key), on the
-# rank's writer thread.
+# rank's writer thread. It raises OSError when the storage failed (the job is kept and tried
+# again), anything else when these frames cannot be written (the job fails). It may have
+# ``discard(job_id)`` (drop what it keeps for a job given up) and ``close()``.
 WriteOutputs = Callable[[Any, str, int], tuple[str, str]]
+
+# While the storage refuses a rank's writes, the writer thread waits this long before the first
+# try again, doubling up to the most.
+FIRST_RETRY_SECONDS = 1.0
+MAX_RETRY_SECONDS = 30.0
+# Finished jobs a rank may hold while their files are written (each keeps its decoded frames);
+# at this many the rank takes no new job.
+MAX_HELD_JOBS = 2
+# The longest a turn without a step waits for a rank's writes.
+WRITE_WAIT_SECONDS = 1.0
+# On the way out, how long a rank waits for a try of its writer thread that is under way (the
+# thread is a daemon: one that hangs does not keep the process).
+CLOSE_WAIT_SECONDS = 5.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,6 +79,9 @@ class StepPlan:
 
     assign: dict[int, Ticket] = field(default_factory=dict)  # rank -> job to start now
     drop: dict[int, str] = field(default_factory=dict)  # rank -> why its job stops (cancel, lease)
+    # Finished jobs whose files are no longer wanted (their attempts ended meanwhile: handed
+    # back, lease lost): the ranks holding them drop them, stored or not.
+    abandon: list[str] = field(default_factory=list)
     stop: bool = False  # leave the loop (every rank)
     step: bool = False  # some rank has a job: every rank runs one step
 
@@ -77,6 +104,20 @@ class RankStatus:
     retryable: bool = False  # the worker, not the request, was at fault
     compute_seconds: float = 0.0  # this rank's time in its job's steps (excludes idle steps)
     memory: dict[str, Any] = field(default_factory=dict)
+    # The rank's own report (with ``memory``): whether it may be given a new job (False while it
+    # holds as many finished jobs waiting for their files as it may), and the storage's last
+    # error while its writes keep failing.
+    takes_jobs: bool = True
+    store_error: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Held:
+    """A finished job whose files the writer thread is storing."""
+
+    final: RankStatus  # its status once stored
+    frames: Any  # uint8 [N, H, W, 3], kept until the files are stored
+    fps: int
 
 
 class GroupDriver(Protocol):
@@ -91,26 +132,36 @@ class GroupDriver(Protocol):
     def record(self, statuses: list[RankStatus]) -> None:
         """What every rank reported for the turn."""
 
-    def stop(self, memory: dict[str, Any]) -> None:
-        """The loop is over (normally or not): hand back what is still running."""
+    def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
+        """The loop is over: normally (hand back what is still running), or ``failed`` (an
+        exception, often a peer lost: whoever restarts the group decides what to charge)."""
 
 
 class RankLoop:
     """One rank's side of the loop: its pipeline, its job, its outputs."""
 
     def __init__(self, rank: int, pipe: VideoPipeline, write: WriteOutputs, platform: Any,
-                 host_memory_every_seconds: float = 0.0) -> None:
+                 host_memory_every_seconds: float = 0.0,
+                 max_held_jobs: int = MAX_HELD_JOBS) -> None:
         self.rank = rank
         self.pipe = pipe
         self.write = write
         self.platform = platform
+        self.max_held_jobs = max_held_jobs
         self.ticket: Ticket | None = None
         self.state: DenoiseState | None = None
         self.compute_seconds = 0.0  # spent in the current job's steps
-        # Finished jobs whose files the writer thread is storing: their final status, to be
-        # sent once the future is done.
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"kiln-writer-{rank}")
-        self._writing: list[tuple[RankStatus, Future[tuple[str, str]]]] = []
+        # The writer thread's work, under ``_writes``: finished jobs whose files it is storing
+        # (oldest first, the one it tries), the final statuses of those stored since the last
+        # turn, and the storage's last error while it keeps failing.
+        self._writes = threading.Condition()
+        self._held: list[_Held] = []
+        self._stored: list[RankStatus] = []
+        self.store_error: str | None = None
+        self._closing = False
+        self._writer = threading.Thread(target=self._write_held, daemon=True,
+                                        name=f"kiln-writer-{rank}")
+        self._writer.start()
         # Reading /proc/self/smaps_rollup walks every mapping (the mmapped weights included):
         # milliseconds per read, so it is read once per report, not once per step.
         self.host_memory_every_seconds = host_memory_every_seconds
@@ -118,6 +169,8 @@ class RankLoop:
 
     def apply(self, plan: StepPlan) -> list[RankStatus]:
         """Drop and/or start this rank's job; statuses of jobs that this ended."""
+        if plan.abandon:
+            self.abandon(plan.abandon)
         ended = []
         if self.rank in plan.drop and self.ticket is not None:
             ended.append(self._end(outcome="cancelled", error=plan.drop[self.rank]))
@@ -151,35 +204,100 @@ class RankLoop:
         try:
             frames = frames_to_uint8(self.pipe.decode(self.state)).cpu().numpy()
         except Exception as exc:
-            log.exception("rank %d: writing outputs of job %s failed", self.rank, self._job_id())
-            return self._end(outcome="failed", error=f"writing the video failed: {exc}",
+            log.exception("rank %d: decoding job %s failed", self.rank, self._job_id())
+            return self._end(outcome="failed", error=f"decoding the video failed: {exc}",
                              retryable=True)
-        job_id, fps = self.ticket.job_id, self.ticket.request.fps
+        fps = self.ticket.request.fps
         final = self._end(outcome="succeeded")
-        self._writing.append((final, self._writer.submit(self.write, frames, job_id, fps)))
+        with self._writes:
+            self._held.append(_Held(final, frames, fps))
+            self._writes.notify_all()
         return replace(final, outcome="rendered")
 
-    def written(self, wait: bool = False) -> list[RankStatus]:
-        """Final statuses of the jobs whose files are now stored (all of them with ``wait``)."""
-        done, still = [], []
-        for final, future in self._writing:
-            if not (wait or future.done()):
-                still.append((final, future))
-                continue
-            try:
-                video_key, thumb_key = future.result()
-            except Exception as exc:
-                log.error("rank %d: writing outputs of job %s failed", self.rank, final.job_id,
-                          exc_info=exc)
-                done.append(replace(final, outcome="failed", retryable=True,
-                                    error=f"writing the video failed: {exc}"))
-            else:
-                done.append(replace(final, video_key=video_key, thumbnail_key=thumb_key))
-        self._writing = still
+    def written(self, wait: float = 0.0) -> list[RankStatus]:
+        """Final statuses of the jobs whose files were stored (or could not be written) since
+        the last call; waits up to ``wait`` seconds for one while any is held."""
+        with self._writes:
+            if wait > 0:
+                self._writes.wait_for(lambda: self._stored or not self._held, timeout=wait)
+            done, self._stored = self._stored, []
         return done
 
+    def abandon(self, job_ids: Iterable[str]) -> None:
+        """Drops these jobs' files, stored or not: their attempts are over."""
+        gone = set(job_ids)
+        with self._writes:
+            dropped = [h for h in self._held if h.final.job_id in gone]
+            self._held = [h for h in self._held if h not in dropped]
+            if not self._held:
+                self.store_error = None
+            self._writes.notify_all()
+        for h in dropped:
+            log.info("rank %d: job %s given up before its files were stored", self.rank,
+                     h.final.job_id)
+            self._discard(h.final.job_id)
+
+    def _write_held(self) -> None:
+        """The writer thread: stores the held jobs, oldest first; a try the storage refuses is
+        tried again after a backoff, until it is stored or given up."""
+        delay = 0.0
+        while True:
+            with self._writes:
+                self._writes.wait_for(lambda: self._closing or bool(self._held))
+                if self._closing:
+                    return
+                held = self._held[0]
+            job_id = held.final.job_id or ""
+            try:
+                video, thumb = self.write(held.frames, job_id, held.fps)
+            except OSError as exc:
+                delay = min(MAX_RETRY_SECONDS, max(FIRST_RETRY_SECONDS, 2 * delay))
+                with self._writes:
+                    if held in self._held:
+                        if self.store_error is None:
+                            log.warning("rank %d: the storage refused job %s's files (%s); the "
+                                        "job is kept and tried again, not rendered again",
+                                        self.rank, job_id, exc)
+                        self.store_error = _one_line(exc)
+                    self._writes.wait_for(lambda h=held: self._closing or h not in self._held,
+                                          timeout=delay)
+                continue
+            except Exception as exc:  # these frames cannot be written: the job fails
+                log.error("rank %d: writing outputs of job %s failed", self.rank, job_id,
+                          exc_info=exc)
+                result = replace(held.final, outcome="failed", retryable=True,
+                                 error=f"writing the video failed: {exc}")
+            else:
+                result = replace(held.final, video_key=video, thumbnail_key=thumb)
+                delay = 0.0
+            with self._writes:
+                if held in self._held:
+                    self._held.remove(held)
+                    self._stored.append(result)
+                if result.outcome == "succeeded" or not self._held:
+                    if self.store_error is not None:
+                        log.info("rank %d: the storage takes the files again", self.rank)
+                    self.store_error = None
+                self._writes.notify_all()
+
+    def _discard(self, job_id: str | None) -> None:
+        discard = getattr(self.write, "discard", None)
+        if discard is not None and job_id is not None:
+            discard(job_id)
+
     def close(self) -> None:
-        self._writer.shutdown(wait=True)
+        """Stops the writer thread; jobs still held are given up (their attempts go back)."""
+        with self._writes:
+            self._closing = True
+            given_up, self._held = self._held, []
+            self._writes.notify_all()
+        self._writer.join(timeout=CLOSE_WAIT_SECONDS)
+        if given_up:
+            log.warning("rank %d: leaving with %d job(s) whose files were not stored: %s",
+                        self.rank, len(given_up), ", ".join(h.final.job_id or "" for h in given_up))
+        close = getattr(self.write, "close", None)
+        if close is not None:
+            close()
         self.pipe.close()
 
     def _job_id(self) -> str | None:
@@ -203,6 +321,14 @@ class RankLoop:
         """The running job's step count (no outcome yet)."""
         return self._status()
 
+    def report(self) -> RankStatus:
+        """This rank's own status for the turn: memory, whether it takes a new job, and the
+        storage's error while its writes keep failing."""
+        with self._writes:
+            held, error = len(self._held), self.store_error
+        return RankStatus(rank=self.rank, memory=self.memory(), store_error=error,
+                          takes_jobs=held < self.max_held_jobs)
+
     def memory(self) -> dict[str, Any]:
         free, total = self.platform.mem_get_info()
         pss, read_at = self._host_memory
@@ -211,7 +337,7 @@ class RankLoop:
             self._host_memory = (pss, time.monotonic())
         return {"rank": self.rank, "device": str(self.platform.device),
                 "device_mem_used_bytes": total - free, "device_mem_total_bytes": total,
-                "host_mem_bytes": pss, "job_id": self._job_id()}
+                "host_mem_bytes": pss, "job_id": self._job_id(), "pid": os.getpid()}
 
 
 def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
@@ -222,6 +348,7 @@ def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
     control = dist.new_group(backend="gloo") if loop.platform.is_accelerator else dist.group.WORLD
     if driver is not None:
         driver.start(loop.memory())
+    failed = True
     try:
         while True:
             plan_box: list[Any] = [None]
@@ -237,16 +364,22 @@ def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
                 ended = loop.step()
                 if ended is not None:
                     statuses.append(ended)
-            # Files written meanwhile; on a turn without a step, every pending one.
-            statuses.extend(loop.written(wait=not plan.step))
+            # Files stored meanwhile; a turn without a step waits a little for them.
+            statuses.extend(loop.written(wait=0.0 if plan.step else WRITE_WAIT_SECONDS))
             if loop.ticket is not None:
                 statuses.append(loop.progress())
-            statuses.append(RankStatus(rank=rank, memory=loop.memory()))
+            statuses.append(loop.report())
             gathered: list[Any] = [None] * world if rank == 0 else []
             dist.gather_object(statuses, gathered if rank == 0 else None, dst=0, group=control)
             if driver is not None:
                 driver.record([st for per_rank in gathered for st in per_rank])
+        failed = False
     finally:
         if driver is not None:
-            driver.stop(loop.memory())
+            driver.stop(loop.memory(), failed=failed)
         loop.close()
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"

@@ -30,6 +30,7 @@ from scheduler import queue_index
 from scheduler.cost import CostModel, tokens
 from scheduler.policy import JobResult, Policy, PolicyConfig, QueuedJob, RunningJob
 from storage.lifecycle import Claim, claim_job, expire
+from storage.outages import describe, is_outage
 from storage.tables import Job, utcnow
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,24 @@ def claim_for_group(
     costs = CostModel.from_state(json.loads(raw_costs)) if raw_costs else CostModel()
     claimed: dict[int, Claim] = {}
     busy = _with_costs(running, dict(zip(unknown, charges, strict=False)))
+    try:
+        _claim_rounds(session, redis, prefix, group_id, model, ranks, claimed, busy, costs,
+                      config, lease_seconds, now)
+    except Exception as exc:
+        if not (claimed and is_outage(exc)):
+            raise
+        # The claims made so far are committed: their ranks start them; the rest waits for the
+        # server to come back.
+        log.warning("claimed %d job(s), then: %s", len(claimed), describe(exc))
+    return sorted(claimed.items(), key=lambda rc: rc[0])
+
+
+def _claim_rounds(session: Session, redis: Redis, prefix: str, group_id: str, model: str,
+                  ranks: list[int], claimed: dict[int, Claim], busy: list[RunningJob],
+                  costs: CostModel, config: PolicyConfig, lease_seconds: float,
+                  now: datetime) -> None:
+    """Rounds of pick, schedule and claim until every rank in ``ranks`` is in ``claimed`` or no
+    candidate is left; ``claimed`` and ``busy`` grow as it goes."""
     for _ in range(MAX_ROUNDS):
         want = [r for r in ranks if r not in claimed]
         if not want:
@@ -132,7 +151,6 @@ def claim_for_group(
                 [loaded[i] for i in [*plan.expired, *plan.assignments.values()]])
         if not plan.assignments and not plan.expired:
             break
-    return sorted(claimed.items(), key=lambda rc: rc[0])
 
 
 def _with_costs(running: Sequence[RunningJob],

@@ -2,8 +2,9 @@
 
 The ranks of a worker group step in lock-step on the weight gathers, so a step lasts as long as
 its slowest rank. The batcher therefore groups jobs of similar cost per step, and the cost of a
-step is driven by how many tokens the transformer sees per forward. With the model family's VAE
-and patch (``common.families``; every family today: VAE 4x8x8, patch 1x2x2):
+step is driven by how many tokens the transformer sees per forward: `common.families.tokens`,
+from the model family's VAE and patch (every family today: VAE 4x8x8, patch 1x2x2), the count
+the API's bound on one job uses too:
 
     latent frames = (num_frames - 1) // temporal + 1      (causal video VAE: the first frame alone)
     latent size   = ceil(height / spatial) x ceil(width / spatial)
@@ -22,31 +23,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from common.families import Family
+from common.families import tokens
+
+__all__ = ["DEFAULT_DECAY", "DEFAULT_SECONDS_PER_TOKEN", "CostModel", "tokens"]
 
 # A guess used until a model has history; only the ratio between jobs matters then.
 DEFAULT_SECONDS_PER_TOKEN = 1e-5
 # Each finished job weighs this much less than the one after it: the fit follows the hardware
 # (a driver upgrade, another model revision) within a few hundred jobs.
 DEFAULT_DECAY = 0.99
-
-
-def latent_shape(width: int, height: int, num_frames: int, *,
-                 family: Family) -> tuple[int, int, int]:
-    """(frames, height, width) of the latent video: a causal VAE keeps the first frame alone."""
-    if width <= 0 or height <= 0 or num_frames <= 0:
-        raise ValueError(f"size and frames must be positive, got {width}x{height}, "
-                         f"{num_frames} frames")
-    st, s = family.vae_scale_factor_temporal, family.vae_scale_factor_spatial
-    return (num_frames - 1) // st + 1, math.ceil(height / s), math.ceil(width / s)
-
-
-def tokens(width: int, height: int, num_frames: int, *, family: Family) -> int:
-    """Video tokens one transformer forward of ``family`` sees (e.g. 64x64, 9 frames on
-    kiln-tiny: 3x4x4=48)."""
-    f, h, w = latent_shape(width, height, num_frames, family=family)
-    pt, ph, pw = family.patch_size
-    return math.ceil(f / pt) * math.ceil(h / ph) * math.ceil(w / pw)
 
 
 @dataclass(slots=True)

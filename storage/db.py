@@ -21,7 +21,12 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         engine = create_engine(url, **kwargs)
         event.listen(engine, "connect", _sqlite_on_connect)
         return engine
+    # A connection that died while pooled (a database restart) is replaced at checkout, so the
+    # first requests after an outage succeed instead of failing on a dead socket.
     kwargs.setdefault("pool_pre_ping", True)
+    # A server that drops packets instead of refusing would hold a request for the kernel's TCP
+    # timeout (minutes); this bounds the wait.
+    kwargs.setdefault("connect_args", {"connect_timeout": 10})
     kwargs.setdefault("pool_size", 20)
     kwargs.setdefault("max_overflow", 20)
     return create_engine(url, **kwargs)

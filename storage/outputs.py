@@ -2,7 +2,8 @@
 
 One small interface, two implementations: `LocalStore` (a directory; the default) and `S3Store`
 (any S3-compatible server; needs the ``s3`` extra). Keys come from `video_key` / `thumbnail_key`,
-which derive them from the job id alone, so no request field ever becomes part of a path.
+which derive them from the job id alone, so no request field ever becomes part of a path. Every
+write is atomic: a write that fails leaves nothing under the key (or the object that was there).
 """
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ def _checked(key: str) -> str:
     if not _KEY.match(key):
         raise ValueError(f"not a valid output key: {key!r}")
     return key
+
+
+class OutputStoreError(OSError):
+    """The output store did not take an object (a full or read-only directory, an S3 server
+    that refuses or cannot be reached): weather, worth trying again, never the job's fault."""
+
+    @classmethod
+    def of(cls, key: str, exc: BaseException) -> OutputStoreError:
+        """``exc``, raised while storing ``key``, in one line that stays the same from one try
+        to the next (no temporary file names)."""
+        if isinstance(exc, OSError) and exc.strerror:
+            where = f" ({Path(exc.filename).parent})" if exc.filename else ""
+            text = f"{exc.strerror}{where}"
+        else:
+            lines = str(exc).strip().splitlines()
+            text = f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+        return cls(f"could not store {key}: {text}")
 
 
 class OutputStore(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from datetime import datetime
+from datetime import UTC, datetime
 
 from storage.submission import is_job_id
 from storage.tables import Batch, Job
@@ -17,7 +17,9 @@ def encode_cursor(row: Job | Batch) -> str:
 
 
 def decode_cursor(cursor: str) -> tuple[datetime, str]:
-    """Raises ValueError for anything that `encode_cursor` did not make."""
+    """The (created_at in UTC, id) after which the next page starts. Raises ValueError for
+    anything that `encode_cursor` did not make, among them times that have no UTC equivalent
+    (year 1 east of UTC, year 9999 west of it)."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
         stamp, job_id = raw.split("|", 1)
@@ -26,4 +28,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise ValueError("cursor is not one this API returned") from exc
     if created.tzinfo is None or not is_job_id(job_id):
         raise ValueError("cursor is not one this API returned")
-    return created, job_id
+    try:
+        return created.astimezone(UTC), job_id
+    except OverflowError as exc:
+        raise ValueError("cursor is not one this API returned") from exc

@@ -239,6 +239,7 @@ class WorkerGroup(Base):
     dp_size: Mapped[int]
     world_size: Mapped[int]
     state: Mapped[str] = mapped_column(String(16), default="starting")
+    state_reason: Mapped[str | None] = mapped_column(String(500))  # why, when "degraded"
     # One entry per rank: {"rank", "device", "device_mem_used_bytes", "device_mem_total_bytes",
     # "host_mem_bytes", "job_id"}; replaced whole at every report.
     ranks: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)

@@ -2,13 +2,17 @@
 
 Both are written atomically: into a temporary file in the destination's directory, then
 ``os.replace``d over the final name, so a reader never sees a half-written file and a crash leaves
-at most a hidden ``.*.tmp`` file behind.
+at most a hidden ``.*.tmp`` file behind. `OutputWriter` encodes a finished job's files and puts
+them into an output store, keeping them while the store fails.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
+import threading
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from common.files import atomic_path
+from storage.outputs import OutputStore, OutputStoreError, thumbnail_key, video_key
 
 DEFAULT_FPS = 16  # Wan's frame rate
 
@@ -105,6 +110,64 @@ def write_outputs(frames: object, video_path: str | os.PathLike[str], *,
     video = write_video(rgb, video_path, fps=fps)
     thumb = write_thumbnail(rgb[len(rgb) // 2], thumbnail_path(video_path))
     return video, thumb
+
+
+class OutputWriter:
+    """A finished job's MP4 and thumbnail into ``store``: ``writer(frames, job_id, fps)`` returns
+    the (video, thumbnail) keys. The worker's ranks call it from their writer threads.
+
+    The files are encoded into a staging directory of their own (under ``staging_dir``, the
+    system's temporary directory by default), then put into the store. When the store fails it
+    raises `storage.outputs.OutputStoreError` (an ``OSError``) and keeps the encoded files: called
+    again for the same job, it only puts them. An encoding that fails raises what the encoder
+    raised (an ``OSError`` when the staging directory is at fault) and keeps nothing. `discard`
+    drops what is kept for a job that is given up; `close` drops everything.
+    """
+
+    def __init__(self, store: OutputStore, staging_dir: str | os.PathLike[str] | None = None
+                 ) -> None:
+        self.store = store
+        self.staging_dir = staging_dir
+        self._lock = threading.Lock()
+        self._staged: dict[str, tuple[Path, Path, Path]] = {}  # job id -> (dir, video, thumbnail)
+
+    def __call__(self, frames: object, job_id: str, fps: int) -> tuple[str, str]:
+        keys = video_key(job_id), thumbnail_key(job_id)
+        with self._lock:
+            staged = self._staged.get(job_id)
+        if staged is None:
+            tmp = Path(tempfile.mkdtemp(prefix="kiln-out-", dir=self.staging_dir))
+            try:
+                video, thumb = write_outputs(frames, tmp / f"{job_id}.mp4", fps=fps)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            staged = (tmp, video, thumb)
+            with self._lock:
+                self._staged[job_id] = staged
+        _, video, thumb = staged
+        for key, path in zip(keys, (video, thumb), strict=True):
+            try:
+                self.store.put(key, path)
+            except Exception as exc:
+                raise OutputStoreError.of(key, exc) from exc
+        self.discard(job_id)
+        return keys
+
+    def kept(self) -> list[str]:
+        """The jobs whose encoded files wait for the store."""
+        with self._lock:
+            return list(self._staged)
+
+    def discard(self, job_id: str) -> None:
+        with self._lock:
+            staged = self._staged.pop(job_id, None)
+        if staged is not None:
+            shutil.rmtree(staged[0], ignore_errors=True)
+
+    def close(self) -> None:
+        for job_id in self.kept():
+            self.discard(job_id)
 
 
 def read_video(path: str | os.PathLike[str]) -> np.ndarray:

@@ -24,7 +24,8 @@ class GroupReport:
     platform: str  # "cuda" | "npu" | "cpu"
     dp_size: int
     world_size: int
-    state: str = "ready"  # "starting" | "ready" | "stopping" | "stopped"
+    state: str = "ready"  # "starting" | "ready" | "degraded" | "stopping" | "stopped"
+    reason: str | None = None  # why, when degraded (a server out, say)
     # Per rank: rank, device, device_mem_used_bytes, device_mem_total_bytes, host_mem_bytes, job_id
     ranks: list[dict[str, Any]] = field(default_factory=list)
 
@@ -38,6 +39,7 @@ def report_group(session: Session, report: GroupReport, *, now: datetime | None 
         session.add(group)
     group.name, group.host, group.model = report.name, report.host, report.model
     group.mode, group.platform, group.state = report.mode, report.platform, report.state
+    group.state_reason = report.reason
     group.dp_size, group.world_size = report.dp_size, report.world_size
     group.ranks = list(report.ranks)
     group.heartbeat_at = now
@@ -55,3 +57,15 @@ def list_groups(
         query = query.where(WorkerGroup.state != "stopped")
     cutoff = now - timedelta(seconds=stale_after_seconds)
     return [(g, g.heartbeat_at < cutoff) for g in session.scalars(query)]
+
+
+def mark_stopped(session: Session, group_id: str, *, reason: str | None = None,
+                 now: datetime | None = None) -> None:
+    """A group that can no longer report itself (its ranks died) is stopped, with the reason;
+    commits. Nothing for a group never reported."""
+    group = session.get(WorkerGroup, group_id)
+    if group is None:
+        return
+    group.state, group.state_reason = "stopped", reason
+    group.heartbeat_at = now or utcnow()
+    session.commit()

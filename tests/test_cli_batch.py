@@ -107,7 +107,7 @@ def test_a_bad_line_fails_with_the_line_and_field_and_exit_1(service: Service,
                   {"prompt": "bad", "width": 63, "height": 64})
     r = service.kiln("batch", "submit", str(file))
     assert r.exit_code == 1
-    assert "line 2: width: must be a multiple of 8, got 63" in r.stderr
+    assert "line 2: width: must be a multiple of 16, got 63; nearest: 48 or 64" in r.stderr
     assert "(HTTP 422)" in r.stderr
     missing = service.kiln("batch", "status", "aaaaaaaaaaaaaaaaaaaa")
     assert missing.exit_code == 1 and "batch not found (HTTP 404)" in missing.stderr

@@ -10,6 +10,7 @@ from redis import Redis, RedisError
 from sqlalchemy.orm import Session
 
 from api import jobs
+from api.bodies import DepthCheckedRoute
 from api.deps import CurrentUser, QueueRoomDep, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.schemas import JobCreate, JobList, JobPublic, SafeQuery
 from common.settings import Settings
@@ -18,7 +19,8 @@ from storage import lifecycle, queries
 from storage.outputs import OutputStore
 from storage.tables import Job, JobState, User
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+# Job bodies are parsed by FastAPI itself; the route class bounds their nesting first.
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=DepthCheckedRoute)
 
 IdempotencyKey = Annotated[
     str | None,

@@ -36,7 +36,8 @@ def list_workers(user: CurrentUser, session: SessionDep,
         data.append(WorkerGroupPublic(
             id=group.id, name=group.name, host=group.host, model=group.model, mode=group.mode,
             platform=group.platform, dp_size=group.dp_size, world_size=group.world_size,
-            state=group.state, stale=stale, started_at=group.started_at,
+            state=group.state, reason=group.state_reason, stale=stale,
+            started_at=group.started_at,
             heartbeat_at=group.heartbeat_at, ranks=ranks,
             num_running=len(running.get(group.id, [])), current_jobs=sorted(mine),
         ))
@@ -44,30 +45,36 @@ def list_workers(user: CurrentUser, session: SessionDep,
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
-    """The process is up (no dependencies checked)."""
+async def healthz() -> dict[str, str]:
+    """The process is up (no dependencies checked). Answered on the event loop, so it stays
+    quick while every worker thread waits on a database or Redis that is down."""
     return {"status": "ok"}
 
 
 @router.get("/readyz", responses={503: {"description": "A dependency is unreachable"}})
-def readyz(request: Request, session: SessionDep) -> Response:
-    """Database reachable and migrated, Redis reachable."""
-    problems: list[str] = []
+def readyz(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
+    """Database reachable and migrated, Redis reachable; a 503 says which is not, in its
+    ``detail`` and in ``checks`` (``"ok"`` or what is wrong, per dependency)."""
+    checks = {"database": "ok", "redis": "ok"}
     try:
         version = session.execute(text("SELECT version_num FROM alembic_version")).scalar()
         if (version,) != migrations.current_heads():
-            problems.append(f"database schema at {version}, not the latest; run kiln db upgrade")
+            checks["database"] = (f"schema at {version}, not the latest; "
+                                  "run kiln db upgrade")
     except SQLAlchemyError as exc:
-        problems.append(f"database: {type(exc).__name__}")
+        checks["database"] = f"unreachable ({type(exc).__name__})"
     finally:
         session.rollback()
     try:
         request.app.state.redis.ping()
     except RedisError as exc:
-        problems.append(f"redis: {type(exc).__name__}")
+        checks["redis"] = f"unreachable ({type(exc).__name__})"
+    problems = [f"{name}: {state}" for name, state in checks.items() if state != "ok"]
     if problems:
-        return JSONResponse(error_body(503, "; ".join(problems)),
-                            status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+        return JSONResponse(
+            error_body(503, "; ".join(problems), code="not_ready", checks=checks),
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            headers={"Retry-After": str(settings.unavailable_retry_after_seconds)})
     return JSONResponse({"status": "ready"})
 
 

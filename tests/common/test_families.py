@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from common.families import COGVIDEOX, GENERIC, TINY, WAN, family_of
+from common import families
+from common.families import COGVIDEOX, GENERIC, TINY, WAN, checkpoint_family, family_of
 from runtime.models.tiny import TinyConfig
+from scheduler import cost
 from scheduler.cost import tokens
 
 
@@ -76,3 +78,63 @@ def test_tokens_count_the_family_latents_in_patches() -> None:
     assert tokens(64, 64, 9, family=TINY) == 3 * 4 * 4
     # Wan at its defaults: 21 latent frames of 60x104, patches of 1x2x2.
     assert tokens(832, 480, 81, family=WAN) == 21 * 30 * 52
+
+
+def test_the_batcher_counts_tokens_with_the_family_function_the_api_bounds_jobs_by() -> None:
+    assert cost.tokens is families.tokens
+
+
+def _with_configs(path: Path, class_name: str, **configs: dict[str, Any]) -> str:
+    model = _model_dir(path, class_name)
+    for component, config in configs.items():
+        (path / component).mkdir()
+        (path / component / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_a_checkpoint_family_takes_the_geometry_of_its_own_configs(tmp_path: Path) -> None:
+    ti2v = checkpoint_family(_with_configs(
+        tmp_path / "ti2v", "WanPipeline", vae={"scale_factor_spatial": 16,
+                                               "scale_factor_temporal": 4},
+        transformer={"patch_size": [1, 2, 2]}))
+    assert (ti2v.name, ti2v.size_multiple, ti2v.frame_stride) == ("wan", 32, 4)
+    assert ti2v.vae_scale_factor_spatial == 16
+    assert tokens(1280, 704, 121, family=ti2v) == 31 * 22 * 40
+    cog15 = checkpoint_family(_with_configs(
+        tmp_path / "cog15", "CogVideoXPipeline",
+        vae={"block_out_channels": [128, 256, 256, 512], "temporal_compression_ratio": 4},
+        transformer={"patch_size": 2, "patch_size_t": 2}))
+    assert (cog15.size_multiple, cog15.frame_stride, cog15.patch_size) == (16, 4, (2, 2, 2))
+    # 81 frames: 21 latent frames, padded to 11 time patches.
+    assert tokens(1360, 768, 81, family=cog15) == 11 * 48 * 85
+    # No configs, or unreadable ones: the family's own numbers.
+    assert checkpoint_family(_model_dir(tmp_path / "bare", "WanPipeline")) == WAN
+    broken = _model_dir(tmp_path / "broken", "CogVideoXPipeline")
+    (tmp_path / "broken" / "vae").mkdir()
+    (tmp_path / "broken" / "vae" / "config.json").write_text("{not json")
+    assert checkpoint_family(broken) == COGVIDEOX
+    assert checkpoint_family("kiln-tiny") is TINY
+
+
+@pytest.mark.parametrize("name", ["wan", "cogvideox"])
+def test_a_checkpoint_family_reads_what_diffusers_reads_from_the_same_directory(
+        tmp_path: Path, name: str) -> None:
+    diffusers = pytest.importorskip("diffusers")
+    synthetic = pytest.importorskip("runtime.models.synthetic")
+    path = synthetic.make_checkpoint(tmp_path / name, synthetic.SyntheticSpec(family=name))
+    # diffusers' pipeline derives the VAE's scale factors from the VAE it is given; the
+    # transformer is built from its config, as the runtime builds it on the meta device.
+    index = json.loads((path / "model_index.json").read_text())
+    vae_class, transformer_class = (getattr(diffusers, index[c][1])
+                                    for c in ("vae", "transformer"))
+    pipe = getattr(diffusers, index["_class_name"])(
+        vae=vae_class.from_pretrained(path, subfolder="vae"), transformer=None,
+        text_encoder=None, tokenizer=None, scheduler=None)
+    patch = transformer_class.from_config(
+        transformer_class.load_config(path, subfolder="transformer")).config.patch_size
+    family = checkpoint_family(str(path))
+    spatial_patch = max(patch[1:]) if isinstance(patch, list | tuple) else patch
+    # What runtime.pipelines.diffusers_video's size and frame check holds a request to.
+    assert family.size_multiple == max(family_of(str(path)).size_multiple,
+                                       pipe.vae_scale_factor_spatial * spatial_patch)
+    assert family.frame_stride == pipe.vae_scale_factor_temporal

@@ -23,6 +23,8 @@ SECRET = "s3cr3t-for-tests-only"
 
 def make_settings(db_url: str, prefix: str, tmp_path: Path, **overrides: Any) -> Settings:
     values: dict[str, Any] = dict(
+        # Local: the tests' webhook receivers listen on 127.0.0.1.
+        environment="local",
         database_url=db_url, redis_url="redis://127.0.0.1:6379/0", redis_prefix=prefix,
         output_dir=tmp_path / "outputs", webhook_secret=SECRET, webhook_timeout_seconds=5,
         webhook_max_attempts=3, webhook_backoff_seconds=2, webhook_backoff_max_seconds=60,

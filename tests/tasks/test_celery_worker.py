@@ -28,7 +28,8 @@ CELERY = str(Path(sys.executable).with_name("celery"))
 def test_a_webhook_task_enqueued_with_delay_is_retried_and_delivered_by_a_real_worker(
         db: Any, ctx: Context, redis_prefix: str, tmp_path: Path) -> None:
     settings = make_settings(db.url, redis_prefix, tmp_path)
-    env = {**os.environ, "KILN_DATABASE_URL": db.url, "REDIS_URL": str(settings.redis_url),
+    env = {**os.environ, "KILN_ENVIRONMENT": "local",  # the receiver listens on 127.0.0.1
+           "KILN_DATABASE_URL": db.url, "REDIS_URL": str(settings.redis_url),
            "KILN_REDIS_PREFIX": redis_prefix, "KILN_WEBHOOK_SECRET": SECRET,
            "KILN_OUTPUT_DIR": str(settings.output_dir), "KILN_WEBHOOK_BACKOFF_SECONDS": "0.5"}
     log_path = tmp_path / "celery.log"

@@ -4,10 +4,11 @@ run as the beat runs it, against the real database and Redis."""
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 from task_helpers import T0, make_settings, submit, succeed
 
-from kiln.tasks import Context, beat_schedule, clean_up, reap_leases, reconcile
+from kiln.tasks import Context, beat_schedule, celery_config, clean_up, reap_leases, reconcile
 from scheduler import queue_index
 from storage import lifecycle, queries
 from storage.outputs import thumbnail_key, video_key
@@ -111,3 +112,11 @@ def test_beat_runs_every_periodic_task_at_its_configured_interval(ctx: Context) 
     }
     # A run that could not start within its period is dropped rather than piled up.
     assert all(e["options"]["expires"] == e["schedule"] for e in schedule.values())
+
+
+def test_beat_keeps_its_schedule_file_under_the_deployments_data_directory(
+        tmp_path: Path) -> None:
+    settings = make_settings("sqlite:///unused.db", "kiln:a/b:", tmp_path,
+                             data_dir=tmp_path / "data")
+    path = Path(celery_config(settings)["beat_schedule_filename"])
+    assert path == (tmp_path / "data" / "celery-beat-kiln_a_b").absolute()

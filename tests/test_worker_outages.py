@@ -1,0 +1,125 @@
+"""Outages are weather: a worker group rides out Redis killed and back empty, and the database
+refusing connections, with real servers and real worker processes. Every job ends once, none is
+charged for the outage, and the queue moves again by itself once the server is back."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from faults import PrivateRedis, TcpProxy
+from servers import Service, serving_api, worker_group
+from sqlalchemy import make_url, select
+
+from storage.tables import Job
+
+JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}
+RECOVERY = 30  # seconds: the queue must move again within this of the server coming back
+
+
+def _client(service: Service) -> httpx.Client:
+    return httpx.Client(base_url=service.url, timeout=30,
+                        headers={"Authorization": f"Bearer {service.keys['alice']}"})
+
+
+def _submit(client: httpx.Client, n: int, steps: int, tag: str, size: int = 64) -> list[str]:
+    ids = []
+    for i in range(n):
+        r = client.post("/v1/jobs", json={**JOB, "prompt": f"{tag} {i}", "seed": i,
+                                           "num_inference_steps": steps, "width": size,
+                                           "height": size})
+        assert r.status_code == 201, r.text
+        ids.append(r.json()["id"])
+    return ids
+
+
+def _rows(service: Service, ids: list[str]) -> list[Job]:
+    with service.db.session() as s:
+        rows = list(s.scalars(select(Job).where(Job.id.in_(ids))))
+        s.expunge_all()
+    return rows
+
+
+def _wait_all(service: Service, ids: list[str], group: Any, timeout: float) -> list[Job]:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert group.poll() is None, f"the worker group exited with {group.returncode}"
+        rows = _rows(service, ids)
+        if all(r.state not in ("queued", "running") for r in rows):
+            return rows
+        assert time.monotonic() < deadline, sorted((r.state, r.id) for r in rows)
+        time.sleep(0.2)
+
+
+def _group_state(client: httpx.Client, state: str, timeout: float = 10) -> str | None:
+    """Waits until the one worker group reports ``state``; its reason."""
+    deadline = time.monotonic() + timeout
+    while True:
+        [group] = client.get("/v1/workers").json()["data"]
+        if group["state"] == state:
+            return group["reason"]
+        assert time.monotonic() < deadline, group
+        time.sleep(0.2)
+
+
+def _rendered_once_and_uncharged(rows: list[Job]) -> None:
+    assert {r.state for r in rows} == {"succeeded"}, [(r.id, r.state, r.error) for r in rows]
+    assert all(r.attempts == 1 for r in rows), [(r.id, r.attempts) for r in rows]
+
+
+def test_redis_killed_for_10_s_and_back_empty_the_group_carries_on(
+        db: Any, redis_prefix: str, tmp_path: Path) -> None:
+    with PrivateRedis(tmp_path / "redis") as server, \
+            redis.Redis.from_url(server.url, socket_timeout=5) as private, \
+            serving_api(db, private, redis_prefix, tmp_path, users=("alice",),
+                        redis_url=server.url) as service, \
+            worker_group(service, dp=2) as group, _client(service) as client:
+        before = _submit(client, 4, 30, "before")
+        _wait_all(service, before, group, timeout=60)
+
+        server.kill()
+        killed = time.monotonic()
+        during = _submit(client, 4, 30, "during")  # the rows are the truth; Redis is an index
+        # The group says what is wrong while it waits.
+        assert "Redis is unreachable" in (_group_state(client, "degraded") or "")
+        time.sleep(max(0.0, 10 - (time.monotonic() - killed)))
+        assert group.poll() is None, "the group survived the outage"
+        server.start()  # empty: no index, no scripts, no wake tokens
+        back = time.monotonic()
+        rows = _wait_all(service, before + during, group, timeout=RECOVERY)
+        assert time.monotonic() - back < RECOVERY
+        _rendered_once_and_uncharged(rows)
+        assert _group_state(client, "ready") is None
+
+
+def test_the_database_refusing_connections_for_30_s_pauses_the_group_then_it_resumes(
+        db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
+    if db.backend != "postgresql":
+        pytest.skip("a SQLite file cannot refuse connections")
+    url = make_url(db.url)
+    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy, \
+            serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \
+            _client(service) as client:
+        proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(
+            hide_password=False)
+        # The worker reaches the database through the proxy; the API (on the test's own
+        # engine) does not, so the jobs can be followed throughout.
+        with worker_group(service, dp=2, database_url=proxied) as group:
+            ids = _submit(client, 6, 200, "outage", size=128)
+            deadline = time.monotonic() + 60
+            while not any(r.state == "succeeded" for r in _rows(service, ids)):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            proxy.refuse()
+            time.sleep(30)
+            assert group.poll() is None, "the group survived the outage"
+            proxy.accept()
+            back = time.monotonic()
+            rows = _wait_all(service, ids, group, timeout=RECOVERY + 30)
+            # Six jobs of ~2 s each on two ranks: most of the recovery window is rendering.
+            assert time.monotonic() - back < RECOVERY + 30
+        _rendered_once_and_uncharged(rows)
