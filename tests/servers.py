@@ -209,3 +209,32 @@ def _wait_until_ready(url: str, key: str, worker: subprocess.Popen[bytes],
         assert worker.poll() is None, f"the worker exited with {worker.returncode}"
         assert time.monotonic() < deadline, "the worker group never reported ready"
         time.sleep(0.2)
+
+
+def api_client(service: Service, user: str = "alice") -> httpx.Client:
+    """An HTTP client for ``service``'s API with ``user``'s key."""
+    return httpx.Client(base_url=service.url, timeout=30,
+                        headers={"Authorization": f"Bearer {service.keys[user]}"})
+
+
+def wait_job(client: httpx.Client, job_id: str, until: Any,
+             timeout: float = 120) -> dict[str, Any]:
+    """Polls ``GET /v1/jobs/{job_id}`` until ``until(job)``; the job as it then was."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if until(job):
+            return job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+
+
+def job_row(service: Service, job_id: str) -> Any:
+    """The job's row as the database has it now (detached)."""
+    from storage.tables import Job
+
+    with service.db.session() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        s.expunge(job)
+        return job

@@ -20,7 +20,7 @@ import av
 import httpx
 import numpy as np
 import psutil
-from servers import Service, serving_api, worker_group
+from servers import job_row, serving_api, worker_group
 
 from kiln.tasks import Context, reap_leases
 from runtime.pipelines.base import VideoRequest
@@ -74,12 +74,6 @@ def _still_running(proc: psutil.Process) -> bool:
         return False
 
 
-def _row(service: Service, job_id: str) -> Job:
-    with service.db.session() as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        s.expunge(job)
-        return job
 
 
 def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_again(
@@ -100,7 +94,7 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
                             until=lambda j: j["status"] == "running" and j["progress"] >= 0.25)
             _kill_group(first)
 
-        killed = _row(service, job_id)
+        killed = job_row(service, job_id)
         assert killed.state == "running" and killed.attempts == 1
         assert 0 < killed.progress_step < STEPS, "killed in the middle of its render"
         assert running["step"] <= killed.progress_step
@@ -114,7 +108,7 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
         # puts the job back in the queue and in the queue index.
         almost = killed.lease_expires_at - timedelta(seconds=1)
         assert reap_leases(reaper, now=almost).requeued == []
-        assert _row(service, job_id).state == "running"
+        assert job_row(service, job_id).state == "running"
         while utcnow() <= killed.lease_expires_at:
             time.sleep(0.1)
         reaped = reap_leases(reaper)
@@ -138,14 +132,14 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
                                        num_inference_steps=STEPS, lease_seconds=LEASE) is None
             assert not lifecycle.finish_succeeded(s, job_id, old_token, video_key="forged.mp4")
             assert lifecycle.fail_job(s, job_id, old_token, error="late", retryable=True) is None
-        after = _row(service, job_id)
+        after = job_row(service, job_id)
         assert (after.state, after.attempts, after.progress_step) == ("queued", 1, 0)
 
         # 4. A new group on the same database and Redis picks the job up and renders it.
         with worker_group(service, dp=2, lease_seconds=LEASE):
             done = _wait(client, job_id, timeout=60, until=lambda j: j["status"] == "succeeded")
         assert done["attempts"] == 2 and done["progress"] == 1, done
-        finished = _row(service, job_id)
+        finished = job_row(service, job_id)
         assert finished.attempt_token not in (None, old_token)
         assert finished.output_video_key != "forged.mp4"
         with db.session() as s:

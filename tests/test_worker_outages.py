@@ -12,7 +12,7 @@ import httpx
 import pytest
 import redis
 from faults import PrivateRedis, TcpProxy
-from servers import Service, serving_api, worker_group
+from servers import Service, api_client, serving_api, worker_group
 from sqlalchemy import make_url, select
 
 from storage.tables import Job
@@ -21,9 +21,6 @@ JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 
 RECOVERY = 30  # seconds: the queue must move again within this of the server coming back
 
 
-def _client(service: Service) -> httpx.Client:
-    return httpx.Client(base_url=service.url, timeout=30,
-                        headers={"Authorization": f"Bearer {service.keys['alice']}"})
 
 
 def _submit(client: httpx.Client, n: int, steps: int, tag: str, size: int = 64) -> list[str]:
@@ -77,7 +74,7 @@ def test_redis_killed_for_10_s_and_back_empty_the_group_carries_on(
             redis.Redis.from_url(server.url, socket_timeout=5) as private, \
             serving_api(db, private, redis_prefix, tmp_path, users=("alice",),
                         redis_url=server.url) as service, \
-            worker_group(service, dp=2) as group, _client(service) as client:
+            worker_group(service, dp=2) as group, api_client(service) as client:
         before = _submit(client, 4, 30, "before")
         _wait_all(service, before, group, timeout=60)
 
@@ -103,7 +100,7 @@ def test_the_database_refusing_connections_for_30_s_pauses_the_group_then_it_res
     url = make_url(db.url)
     with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy, \
             serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \
-            _client(service) as client:
+            api_client(service) as client:
         proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(
             hide_password=False)
         # The worker reaches the database through the proxy; the API (on the test's own

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from servers import Service, serving_api, worker_group
+from servers import Service, api_client, serving_api, worker_group
 from sqlalchemy import select
 
 from storage import queries
@@ -23,9 +23,6 @@ JOB = {"model": "kiln-tiny", "width": 128, "height": 128, "num_frames": 9, "fps"
        "num_inference_steps": 150}
 
 
-def _client(service: Service) -> httpx.Client:
-    return httpx.Client(base_url=service.url, timeout=30,
-                        headers={"Authorization": f"Bearer {service.keys['alice']}"})
 
 
 def _submit(client: httpx.Client, n: int, tag: str) -> list[str]:
@@ -85,7 +82,7 @@ def _wait_final(service: Service, ids: list[str], launcher: Any,
 def test_a_killed_rank_is_replaced_and_only_its_job_is_charged(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path, victim: int) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \
-            _client(service) as client, worker_group(service, dp=2) as launcher:
+            api_client(service) as client, worker_group(service, dp=2) as launcher:
         first = _ready_group(client, set())
         a, b = _submit(client, 2, "pair")
         ranks = {job: _rank_of(client, first["id"], job)["rank"] for job in (a, b)}
@@ -112,7 +109,7 @@ def test_a_killed_rank_is_replaced_and_only_its_job_is_charged(
 def test_a_job_that_crashes_its_rank_every_time_ends_dead_and_the_rest_render(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \
-            _client(service) as client, worker_group(service, dp=2) as launcher:
+            api_client(service) as client, worker_group(service, dp=2) as launcher:
         [poison] = _submit(client, 1, "poison")
         others = _submit(client, 3, "fine")
         seen: set[str] = set()
@@ -134,7 +131,7 @@ def test_a_job_that_crashes_its_rank_every_time_ends_dead_and_the_rest_render(
 def test_a_killed_launcher_leaves_ranks_that_hand_their_jobs_back_uncharged(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \
-            _client(service) as client:
+            api_client(service) as client:
         with worker_group(service, dp=2, args=["--drain-seconds", "1"]) as launcher:
             first = _ready_group(client, set())
             ids = _submit(client, 2, "orphaned")

@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-from servers import Service, serving_api, worker_group
+from servers import api_client, job_row, serving_api, wait_job, worker_group
 from sqlalchemy import select
 
 from kiln.tasks import Context, reap_leases
 from scheduler import queue_index
 from storage import queries, submission
-from storage.tables import Job, User
+from storage.tables import User
 
 DRAIN = 1.0  # seconds the running job has to finish after the SIGTERM
 # Long enough that the job is still running when the SIGTERM comes (a 256x256x17 step takes
@@ -26,39 +25,22 @@ JOB = {"model": "kiln-tiny", "prompt": "a red circle moving left", "width": 256,
        "num_frames": 17, "num_inference_steps": 60, "fps": 8, "seed": 3}
 
 
-def _client(service: Service) -> httpx.Client:
-    return httpx.Client(base_url=service.url, timeout=30,
-                        headers={"Authorization": f"Bearer {service.keys['alice']}"})
 
 
-def _wait(client: httpx.Client, job_id: str, until: Any, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if until(job):
-            return job
-        assert time.monotonic() < deadline, job
-        time.sleep(0.05)
 
 
-def _row(service: Service, job_id: str) -> Job:
-    with service.db.session() as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        s.expunge(job)
-        return job
 
 
 def test_sigterm_to_the_group_drains_then_hands_the_job_back_uncharged_every_time(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \
-            _client(service) as client:
+            api_client(service) as client:
         job_id = client.post("/v1/jobs", json=JOB).json()["id"]
         # More stops than the job has attempts: none of them is its fault.
         stops = service.settings.max_attempts + 1
         for n in range(1, stops + 1):
             with worker_group(service, dp=2, args=["--drain-seconds", str(DRAIN)]) as group:
-                _wait(client, job_id, timeout=60,
+                wait_job(client, job_id, timeout=60,
                       until=lambda j: j["status"] == "running" and j["step"] >= 1)
                 asked = time.monotonic()
                 os.killpg(group.pid, signal.SIGTERM)  # what systemd and docker send
@@ -66,7 +48,7 @@ def test_sigterm_to_the_group_drains_then_hands_the_job_back_uncharged_every_tim
                 took = time.monotonic() - asked
             # Bounded: the drain, the step in progress, the hand-back and the group's report.
             assert took < DRAIN + 10, took
-            job = _row(service, job_id)
+            job = job_row(service, job_id)
             assert job.state == "queued", (n, job.state, job.error)
             assert (job.attempts, job.uncharged_attempts) == (n, n)
             assert job.error_code == "worker_stopped"
@@ -80,7 +62,7 @@ def test_sigterm_to_the_group_drains_then_hands_the_job_back_uncharged_every_tim
 
         # A group that is left alone renders it: the job was never charged for the stops.
         with worker_group(service, dp=2):
-            done = _wait(client, job_id, timeout=120,
+            done = wait_job(client, job_id, timeout=120,
                          until=lambda j: j["status"] not in ("queued", "running"))
         assert done["status"] == "succeeded", done
         assert done["attempts"] == stops + 1 > service.settings.max_attempts
@@ -94,7 +76,7 @@ SLOW = dict(width=640, height=640, num_frames=49, fps=8, num_inference_steps=1)
 def test_a_step_longer_than_the_lease_keeps_its_job_while_the_group_lives(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",),
-                     lease_seconds=LEASE) as service, _client(service) as client:
+                     lease_seconds=LEASE) as service, api_client(service) as client:
         reaper = Context(settings=service.settings, sessions=db.session,  # type: ignore[arg-type]
                          redis=redis_client, store=service.store)
         with worker_group(service, dp=1, lease_seconds=LEASE):
@@ -105,17 +87,17 @@ def test_a_step_longer_than_the_lease_keeps_its_job_while_the_group_lives(
                                           guidance_scale=5.0, **SLOW)
                 job = submission.create_job(s, alice, spec, request_hash="s" * 64).job
                 queue_index.add(redis_client, service.settings.redis_prefix, [job])
-            running = _wait(client, job.id, timeout=60, until=lambda j: j["status"] == "running")
+            running = wait_job(client, job.id, timeout=60, until=lambda j: j["status"] == "running")
             started = time.monotonic()
-            token = _row(service, job.id).attempt_token
+            token = job_row(service, job.id).attempt_token
             # Past two leases into the first (and only) step, the reaper finds nothing lapsed.
             while time.monotonic() - started < 2.5 * LEASE:
                 assert reap_leases(reaper).requeued == []
                 time.sleep(1)
-            now = _row(service, job.id)
+            now = job_row(service, job.id)
             assert now.state == "running" and now.progress_step == 0, "still in its one step"
             assert now.attempt_token == token
-            done = _wait(client, job.id, timeout=180,
+            done = wait_job(client, job.id, timeout=180,
                          until=lambda j: j["status"] not in ("queued", "running"))
         assert done["status"] == "succeeded" and done["attempts"] == 1, done
         assert running["attempts"] == 1

@@ -3,14 +3,12 @@ cancelled within a step, and the group keeps rendering the others."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from servers import Service, running_service
+from servers import Service, api_client, running_service, wait_job
 from sqlalchemy import select
 
 from scheduler import queue_index
@@ -26,19 +24,8 @@ def service(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> It
         yield svc
 
 
-def _client(service: Service) -> httpx.Client:
-    return httpx.Client(base_url=service.url, timeout=30,
-                        headers={"Authorization": f"Bearer {service.keys['alice']}"})
 
 
-def _wait(client: httpx.Client, job_id: str, until: Any, timeout: float = 120) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if until(job):
-            return job
-        assert time.monotonic() < deadline, job
-        time.sleep(0.05)
 
 
 def test_job_the_model_cannot_run_fails_with_a_reason_and_the_group_renders_the_rest(
@@ -50,30 +37,30 @@ def test_job_the_model_cannot_run_fails_with_a_reason_and_the_group_renders_the_
                                   num_frames=8, fps=8, num_inference_steps=2, guidance_scale=5.0)
         bad = submission.create_job(s, alice, spec, request_hash="x" * 64).job
         queue_index.add(redis_client, service.settings.redis_prefix, [bad])
-    with _client(service) as client:
+    with api_client(service) as client:
         good = client.post("/v1/jobs", json={**JOB, "prompt": "fine", "num_inference_steps": 2})
         assert good.status_code == 201
-        failed = _wait(client, bad.id, lambda j: j["status"] not in ("queued", "running"))
+        failed = wait_job(client, bad.id, lambda j: j["status"] not in ("queued", "running"))
         assert failed["status"] == "failed"
         assert "could not start" in failed["error"]["message"] and "1 + 4k" in failed["error"][
             "message"]
-        done = _wait(client, good.json()["id"], lambda j: j["status"] == "succeeded")
+        done = wait_job(client, good.json()["id"], lambda j: j["status"] == "succeeded")
         assert done["progress"] == 1.0
 
 
 def test_cancel_of_a_running_job_stops_it_within_one_step(service: Service) -> None:
-    with _client(service) as client:
+    with api_client(service) as client:
         r = client.post("/v1/jobs", json={**JOB, "prompt": "a long one",
                                            "num_inference_steps": 200})
         job_id = r.json()["id"]
-        running = _wait(client, job_id, lambda j: j["status"] == "running" and j["step"] >= 2)
+        running = wait_job(client, job_id, lambda j: j["status"] == "running" and j["step"] >= 2)
         assert client.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
         asked_at = client.get(f"/v1/jobs/{job_id}").json()["step"]
-        cancelled = _wait(client, job_id, lambda j: j["status"] == "cancelled", timeout=30)
+        cancelled = wait_job(client, job_id, lambda j: j["status"] == "cancelled", timeout=30)
         # The rank saw the flag at the next step boundary: at most one more step ran (plus the
         # one that may have been in flight while the request was written).
         assert running["step"] <= cancelled["step"] <= asked_at + 2
         assert cancelled["step"] < 200
         # The group is free again: a new job runs to the end.
         r = client.post("/v1/jobs", json={**JOB, "prompt": "next", "num_inference_steps": 2})
-        _wait(client, r.json()["id"], lambda j: j["status"] == "succeeded")
+        wait_job(client, r.json()["id"], lambda j: j["status"] == "succeeded")
