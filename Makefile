@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install run test lint bench
+.PHONY: install run test lint bench chaos
 
 $(BIN)/kiln: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,3 +30,8 @@ lint: install
 bench: install
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/coldstart.py
+
+# The reliability soak (not part of `make test`): about 11 minutes on 2 cores; needs PostgreSQL
+# on 127.0.0.1:5432 and redis-server on PATH (it starts a private one).
+chaos: install
+	$(BIN)/python bench/chaos.py

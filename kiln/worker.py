@@ -284,7 +284,7 @@ class Coordinator:
                 try:
                     plan.assign = self._claim(free)
                 except Exception as exc:
-                    self._outage(None, exc)
+                    self._outage(None, exc, claims=True)
                 else:
                     self._recovered()
                 self.running.update(plan.assign)
@@ -492,9 +492,11 @@ class Coordinator:
         self.running.clear()
         self.writing.clear()
 
-    def _outage(self, session: Session | None, exc: Exception) -> None:
-        """A server is out: note it (the group reports itself degraded), pause claims with a
-        backoff, and go on. Anything that is not an outage is raised."""
+    def _outage(self, session: Session | None, exc: Exception, *,
+                claims: bool = False) -> None:
+        """A server is out: note it (the group reports itself degraded) and go on; a failed
+        claim (``claims``) also pauses the next ones, with a backoff. Anything that is not an
+        outage is raised."""
         if not is_outage(exc):
             raise exc
         if session is not None:
@@ -504,8 +506,11 @@ class Coordinator:
             log.warning("worker group %s: %s; claims pause, the jobs in hand go on",
                         self.group_id, reason)
         self.degraded = reason
-        self._backoff = min(MAX_BACKOFF_SECONDS, max(0.5, 2 * self._backoff))
-        self._claims_resume_at = time.monotonic() + self._backoff
+        if claims:
+            # Only the claims' own failures set the pause: the writes that fail meanwhile
+            # (reports, heartbeats) must not hold the queue once the server is back.
+            self._backoff = min(MAX_BACKOFF_SECONDS, max(0.5, 2 * self._backoff))
+            self._claims_resume_at = time.monotonic() + self._backoff
 
     def _recovered(self) -> None:
         if self.degraded is not None:
@@ -573,13 +578,19 @@ def run_worker(settings: Settings, config: WorkerConfig,
             return 0
         except RankFailure as exc:
             log.error("worker group %s failed: %s", group.group_id, exc)
-            recover_attempts(settings, group.group_id, exc)
+            charged = recover_attempts(settings, group.group_id, exc)
             if exc.stopping:
                 return 0
         now = time.monotonic()
         if now - started > config.restart_window_seconds:
             backoff = 1.0  # it ran well for a while: this is not a loop
-        restarts = [t for t in restarts if now - t < config.restart_window_seconds] + [now]
+        restarts = [t for t in restarts if now - t < config.restart_window_seconds]
+        # A crash charged to the job its rank was rendering is that job's (its attempts bound
+        # it); the others count towards the crash loop.
+        if not charged:
+            restarts.append(now)
+        else:
+            backoff = 1.0
         if len(restarts) > config.max_restarts:
             log.error("the ranks failed %d times within %.0f s; not starting them again",
                       len(restarts), config.restart_window_seconds)
@@ -618,13 +629,14 @@ _LOST_PEER = ("DistBackendError", "Gloo", "NCCL", "HCCL", "Connection closed by 
               "Timed out")
 
 
-def recover_attempts(settings: Settings, group_id: str, failure: RankFailure) -> None:
+def recover_attempts(settings: Settings, group_id: str, failure: RankFailure) -> int:
     """Ends the attempts a failed group still holds, now rather than when their leases lapse.
 
     The job of a rank that crashed (died by a crash signal or SIGKILL, or exited with an error)
     is charged: it may have caused the crash; a job that crashes its rank every time ends
     ``dead`` after its attempts. The other ranks' jobs go back uncharged. With no rank to blame
-    (a hang, or the ranks' own report of a lost peer), nothing is charged.
+    (a hang, or the ranks' own report of a lost peer), nothing is charged. Returns how many
+    attempts it charged.
     """
     crashed = {r for r in failure.ranks
                if (code := failure.exit_codes.get(r)) is not None
@@ -633,6 +645,7 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure) ->
         crashed = set(failure.ranks)  # a rank raised outside a job's step: its job
     sessions = make_session_factory(make_engine(settings.database_url))
     redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
+    charged = 0
     try:
         with sessions() as session:
             held = queries.running_jobs_by_group(session, [group_id]).get(group_id, [])
@@ -640,6 +653,7 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure) ->
                 if job.attempt_token is None:
                     continue
                 if job.rank in crashed:
+                    charged += 1
                     ending = Ending(outcome="failed", error=f"its rank ({job.rank}) crashed "
                                     "while rendering it", code="rank_crashed", retryable=True)
                 else:
@@ -661,6 +675,7 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure) ->
         if redis is not None:
             redis.close()
         sessions.kw["bind"].dispose()
+    return charged
 
 
 def _enqueue_job_finished(session: Session, job_id: str) -> object:

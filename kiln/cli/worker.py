@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 import typer
@@ -37,4 +38,6 @@ def worker(
     config = WorkerConfig(dp=dp, model=model, device=device, use_allgather=allgather,
                           drain_seconds=drain_seconds,
                           collective_timeout_seconds=collective_timeout_seconds)
+    # The launcher's own lines (restarts, the attempts it ends) beside the ranks' "[rank N]".
+    logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
     raise typer.Exit(run_worker(get_settings(), config))

@@ -413,7 +413,11 @@ class DLOHandle:
         forwards still find a partner for every block.
         """
         while self._num_acquired < num_acquired:
-            (index,) = self._inflight  # exactly one prefetch is in flight between blocks
+            if len(self._inflight) != 1:
+                # Exactly one prefetch is in flight between blocks, unless a gather failed
+                # under this rank: a peer has left, and no gather can complete any more.
+                raise RuntimeError("the group lost a peer: no block gather is in flight")
+            (index,) = self._inflight
             self._release(index, self._acquire(index))
 
     def stats(self) -> dict[str, Any]:
