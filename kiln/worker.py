@@ -285,9 +285,10 @@ class Coordinator:
                     plan.assign = self._claim(free)
                 except Exception as exc:
                     self._outage(None, exc, claims=True)
+                    self.running.update(plan.assign)
                 else:
-                    self._recovered()
-                self.running.update(plan.assign)
+                    self.running.update(plan.assign)
+                    self._recovered()  # after the update: these claims are not lost ones
             self.leases.track(self.running, self.writing, self.unfinished)
             if self.running:
                 self._last_work = time.monotonic()
@@ -517,7 +518,30 @@ class Coordinator:
             log.info("worker group %s: the servers answer again; claims resume", self.group_id)
             self.degraded = None
             self._last_report = 0.0  # say so now
+            self._hand_back_lost_claims()
         self._backoff = 0.0
+
+    def _hand_back_lost_claims(self) -> None:
+        """Claims the database committed while the outage kept their answer from this group
+        (the connection dropped after the COMMIT): rows running under this group's id that no
+        rank renders. They go back to the queue uncharged, now rather than when their leases
+        lapse."""
+        held = {t.attempt_token for t in self.running.values()}
+        held |= {st.attempt_token for st in (*self.writing.values(), *self.unfinished.values())}
+        lost = Ending(outcome="failed", error="its claim's answer was lost in an outage",
+                      code="claim_lost", retryable=True, charged=False)
+        try:
+            with self.sessions() as session:
+                rows = queries.running_jobs_by_group(session, [self.group_id])
+                for job in rows.get(self.group_id, []):
+                    if job.attempt_token is None or job.attempt_token in held:
+                        continue
+                    finish_attempt(session, self.redis, self.settings.redis_prefix, job.id,
+                                   job.attempt_token, lost, notify=self.notify)
+                    job_log("handed_back", job=job.id, attempt=job.attempts, rank=job.rank,
+                            charged=False, why="its claim's answer was lost in an outage")
+        except Exception as exc:
+            self._outage(None, exc)
 
 
 def store_writer(store: OutputStore) -> OutputWriter:
