@@ -327,12 +327,19 @@ class VideoDeleted(BaseModel):
 
 class RankPublic(BaseModel):
     rank: int
+    replica: int | None = None  # the replica this rank renders with (rank // sp)
     device: str | None = None
     device_mem_used_bytes: int | None = None
     device_mem_total_bytes: int | None = None
     host_mem_bytes: int | None = None
     job_id: str | None = None  # only when the caller may see that job
     pid: int | None = None  # the rank's process on its host
+
+
+class ReplicaPublic(BaseModel):
+    replica: int
+    ranks: list[int]  # the first one decodes and stores the replica's videos
+    job_id: str | None = None  # only when the caller may see that job
 
 
 class WorkerGroupPublic(BaseModel):
@@ -342,8 +349,10 @@ class WorkerGroupPublic(BaseModel):
     model: str
     mode: str
     platform: str
-    dp_size: int
+    dp_size: int = Field(description="replicas: jobs the group renders at once")
+    sp_size: int = Field(description="ranks per replica, splitting one job's token sequence")
     world_size: int
+    replicas: list[ReplicaPublic]
     state: str = Field(description="starting | ready | degraded | stopping | stopped")
     reason: str | None = Field(default=None, description="why, when degraded")
     stale: bool

@@ -47,6 +47,7 @@ from runtime.pipelines.base import VideoRequest
 from runtime.platform import get_platform
 from runtime.rank_loop import RankLoop, RankStatus, StepPlan, Ticket, run_loop
 from runtime.render import load_pipeline
+from runtime.sequence import SOLO, Layout, open_sequence
 from scheduler import queue_index
 from scheduler.attempts import Ending, finish_attempt
 from scheduler.claim import claim_for_group, job_tokens, record_result
@@ -83,7 +84,8 @@ STOP_GRACE_SECONDS = 10.0
 
 @dataclass(kw_only=True, slots=True)
 class WorkerConfig:
-    dp: int = 1
+    dp: int = 1  # replicas, each rendering its own job
+    sp: int = 1  # ranks per replica, splitting its job's token sequence
     model: str = "kiln-tiny"
     device: str = "cpu"  # cpu | cuda | npu
     use_allgather: bool = True
@@ -102,6 +104,10 @@ class WorkerConfig:
     restart_window_seconds: float = 600.0
     group_id: str = ""  # given by the launcher to each rank set it starts; new one if empty
     name: str = ""
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(dp=self.dp, sp=self.sp)
 
 
 class LeaseKeeper:
@@ -194,13 +200,14 @@ class Coordinator:
     the group's state for ``/v1/workers``.
     """
 
-    def __init__(self, settings: Settings, config: WorkerConfig, world: int, mode: str,
+    def __init__(self, settings: Settings, config: WorkerConfig, layout: Layout, mode: str,
                  platform_name: str, *,
                  notify: Callable[[Session, str], object] | None = None,
                  report: Callable[[Session, GroupReport], object] = report_group) -> None:
         self.settings = settings
         self.config = config
-        self.world = world
+        self.layout = layout
+        self.world = layout.world
         self.mode = mode
         self.platform_name = platform_name
         if notify is None:
@@ -218,7 +225,8 @@ class Coordinator:
         host = socket.gethostname()
         self.group_id = config.group_id or new_group_id()
         self.host = host
-        self.running: dict[int, Ticket] = {}  # rank -> job it renders
+        # Keyed by a replica's first rank, as the plans are (sp=1: every rank).
+        self.running: dict[int, Ticket] = {}  # replica -> job it renders
         # Rendered jobs whose files their rank is still writing: job id -> its "rendered" status.
         self.writing: dict[str, RankStatus] = {}
         self.steps_left: dict[int, int] = {}
@@ -241,8 +249,8 @@ class Coordinator:
     def start(self, memory: dict[str, Any]) -> None:
         self.report([memory], state="starting")
         self.leases.start()
-        log.info("worker group %s: %d rank(s), model %s, %s", self.group_id, self.world,
-                 self.config.model, self.mode)
+        log.info("worker group %s: %d rank(s) (%s), model %s, %s", self.group_id, self.world,
+                 self.layout, self.config.model, self.mode)
 
     def stop(self, memory: dict[str, Any], *, failed: bool = False) -> None:
         self.leases.stop()
@@ -277,7 +285,7 @@ class Coordinator:
                             if st.attempt_token in self.leases.ended]
             for job_id in plan.abandon:
                 self.writing.pop(job_id)
-            free = [r for r in range(self.world)
+            free = [r for r in self.layout.leaders
                     if r not in self.running and r not in self.full_ranks]
             if (free and not self.stopping and self.store_error is None
                     and time.monotonic() >= self._claims_resume_at):
@@ -452,15 +460,16 @@ class Coordinator:
     def report(self, ranks: list[dict[str, Any]], state: str = "ready") -> None:
         ranks = sorted(ranks, key=lambda r: r["rank"])
         for r in ranks:
-            ticket = self.running.get(r["rank"])
+            ticket = self.running.get(self.layout.leader(r["rank"]))
             r["job_id"] = ticket.job_id if ticket else None
+            r["replica"] = self.layout.replica(r["rank"])
         reason = None
         if state == "ready" and self.degraded is not None:
             state, reason = "degraded", self.degraded
         report = GroupReport(id=self.group_id, name=self.config.name or self.group_id,
                              host=self.host, model=self.config.model,
                              mode="allgather" if self.mode == "allgather" else "rank_local",
-                             platform=self.platform_name, dp_size=self.world,
+                             platform=self.platform_name, dp_size=self.layout.dp,
                              world_size=self.world, state=state, reason=reason, ranks=ranks)
         with self.sessions() as session:
             try:
@@ -553,14 +562,19 @@ def store_writer(store: OutputStore) -> OutputWriter:
 def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> None:
     """Everything one rank does, from loading the model to leaving the group."""
     platform = get_platform(device_for(config.device))
+    if ctx.world % config.sp:
+        raise ValueError(f"--sp {config.sp} does not divide the group's {ctx.world} ranks")
+    # Under torchrun the world is given and dp follows from it.
+    layout = Layout(dp=ctx.world // config.sp, sp=config.sp)
     pipe = load_pipeline(config.model, device=platform.device,
-                         use_allgather=config.use_allgather)
+                         use_allgather=config.use_allgather,
+                         sequence=open_sequence(layout, platform.backend))
     loop = RankLoop(ctx.rank, pipe, store_writer(make_store(settings)), platform,
-                    host_memory_every_seconds=config.report_seconds)
+                    host_memory_every_seconds=config.report_seconds, layout=layout)
     coordinator = None
     if ctx.rank == 0:
         mode = "allgather" if config.use_allgather and ctx.world > 1 else "rank_local"
-        coordinator = Coordinator(settings, config, ctx.world, mode, platform.name)
+        coordinator = Coordinator(settings, config, layout, mode, platform.name)
     run_loop(ctx.rank, ctx.world, loop, coordinator, ctx.stop)
 
 
@@ -579,8 +593,7 @@ def run_worker(settings: Settings, config: WorkerConfig,
     ``config.drain_seconds`` to finish, then go back to the queue uncharged; a second signal
     kills the ranks), 1 after a crash loop.
     """
-    if config.dp < 1:
-        raise ValueError(f"--dp must be >= 1, got {config.dp}")
+    layout = config.layout  # checks dp and sp
     if under_torchrun():
         run_this_rank(serve_rank, settings, config, device=config.device)
         return 0
@@ -590,7 +603,7 @@ def run_worker(settings: Settings, config: WorkerConfig,
         group = replace(config, group_id=config.group_id or new_group_id())
         started = time.monotonic()
         try:
-            run_ranks(config.dp, serve_rank, settings, group, device=config.device,
+            run_ranks(layout.world, serve_rank, settings, group, device=config.device,
                       on_started=on_started, timeout_s=None, graceful_stop=True,
                       stop_timeout_s=config.drain_seconds + STOP_GRACE_SECONDS,
                       collective_timeout_s=config.collective_timeout_seconds,
@@ -602,7 +615,7 @@ def run_worker(settings: Settings, config: WorkerConfig,
             return 0
         except RankFailure as exc:
             log.error("worker group %s failed: %s", group.group_id, exc)
-            charged = recover_attempts(settings, group.group_id, exc)
+            charged = recover_attempts(settings, group.group_id, exc, layout)
             if exc.stopping:
                 return 0
         now = time.monotonic()
@@ -653,20 +666,23 @@ _LOST_PEER = ("DistBackendError", "Gloo", "NCCL", "HCCL", "Connection closed by 
               "Timed out")
 
 
-def recover_attempts(settings: Settings, group_id: str, failure: RankFailure) -> int:
+def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
+                     layout: Layout = SOLO) -> int:
     """Ends the attempts a failed group still holds, now rather than when their leases lapse.
 
     The job of a rank that crashed (died by a crash signal or SIGKILL, or exited with an error)
     is charged: it may have caused the crash; a job that crashes its rank every time ends
     ``dead`` after its attempts. The other ranks' jobs go back uncharged. With no rank to blame
-    (a hang, or the ranks' own report of a lost peer), nothing is charged. Returns how many
-    attempts it charged.
+    (a hang, or the ranks' own report of a lost peer), nothing is charged. A rank of a replica
+    that crashed charges its replica's job (recorded under the replica's first rank). Returns
+    how many attempts it charged.
     """
     crashed = {r for r in failure.ranks
                if (code := failure.exit_codes.get(r)) is not None
                and (code > 0 or -code in _CRASH_SIGNALS)}
     if not failure.exit_codes and not any(s in str(failure) for s in _LOST_PEER):
         crashed = set(failure.ranks)  # a rank raised outside a job's step: its job
+    crashed = {layout.leader(r) for r in crashed}
     sessions = make_session_factory(make_engine(settings.database_url))
     redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
     charged = 0

@@ -14,6 +14,11 @@
    gather. The job's final status follows when its files are stored.
 4. Rank 0 gathers every rank's `RankStatus` and hands them to the driver.
 
+Replicas (``runtime.sequence.Layout``): with ``sp > 1`` the ranks of a replica run one job
+together, its token sequence split over them; the plan names a replica by its first rank, and
+that rank (the leader) decodes, stores and reports the job, while the others only take part.
+With ``sp == 1`` every rank is a replica of its own.
+
 A write the storage refuses (``write`` raises ``OSError``: a full or read-only output directory,
 an object store that cannot be reached) is no fault of the render: the writer thread keeps the
 job (its frames; ``write`` keeps what it encoded) and tries again with a backoff (1 s doubling to
@@ -38,8 +43,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
+from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
 from runtime.render import frames_to_uint8, memory_figures
+from runtime.sequence import SOLO, Layout
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +83,9 @@ class Ticket:
 class StepPlan:
     """Rank 0's orders for one turn, broadcast to every rank."""
 
-    assign: dict[int, Ticket] = field(default_factory=dict)  # rank -> job to start now
-    drop: dict[int, str] = field(default_factory=dict)  # rank -> why its job stops (cancel, lease)
+    # Keyed by a replica's first rank (with sp=1, every rank is a replica of its own).
+    assign: dict[int, Ticket] = field(default_factory=dict)  # replica -> job to start now
+    drop: dict[int, str] = field(default_factory=dict)  # replica -> why its job stops
     # Finished jobs whose files are no longer wanted (their attempts ended meanwhile: handed
     # back, lease lost): the ranks holding them drop them, stored or not.
     abandon: list[str] = field(default_factory=list)
@@ -88,7 +95,9 @@ class StepPlan:
 
 @dataclass(kw_only=True, slots=True)
 class RankStatus:
-    """One rank's report for one turn, gathered on rank 0."""
+    """One rank's report for one turn, gathered on rank 0. A job's statuses come from its
+    replica's first rank, and ``rank`` is that rank; the other ranks of a replica report only
+    themselves (``memory``, ``takes_jobs``)."""
 
     rank: int
     job_id: str | None = None
@@ -142,8 +151,13 @@ class RankLoop:
 
     def __init__(self, rank: int, pipe: VideoPipeline, write: WriteOutputs, platform: Any,
                  host_memory_every_seconds: float = 0.0,
-                 max_held_jobs: int = MAX_HELD_JOBS) -> None:
+                 max_held_jobs: int = MAX_HELD_JOBS, layout: Layout = SOLO) -> None:
         self.rank = rank
+        self.layout = layout
+        # The replica this rank renders with, named by its first rank; only that rank (the
+        # leader) decodes, stores and reports the replica's job.
+        self.slot = layout.leader(rank)
+        self.leads = layout.is_leader(rank)
         self.pipe = pipe
         self.write = write
         self.platform = platform
@@ -172,9 +186,9 @@ class RankLoop:
         if plan.abandon:
             self.abandon(plan.abandon)
         ended = []
-        if self.rank in plan.drop and self.ticket is not None:
-            ended.append(self._end(outcome="cancelled", error=plan.drop[self.rank]))
-        ticket = plan.assign.get(self.rank)
+        if self.slot in plan.drop and self.ticket is not None:
+            ended.append(self._end(outcome="cancelled", error=plan.drop[self.slot]))
+        ticket = plan.assign.get(self.slot)
         if ticket is not None:
             self.ticket = ticket
             try:
@@ -182,25 +196,31 @@ class RankLoop:
             except Exception as exc:  # a request the model cannot run: fail this job only
                 log.exception("rank %d: preparing job %s failed", self.rank, ticket.job_id)
                 ended.append(self._end(outcome="failed", error=f"could not start: {exc}"))
-        return ended
+        # The replica's other ranks end its job with it; the leader speaks for them.
+        return ended if self.leads else []
 
-    def step(self) -> RankStatus | None:
-        """One lock-step turn: this rank's step (or an idle one); a status if the job ended."""
+    def step(self, active: Any = None) -> RankStatus | None:
+        """One lock-step turn: this rank's step (or an idle one); a status if the job ended.
+        ``active``: the transformers the group runs this step (`agree_handles`)."""
         if self.state is None:
-            self.pipe.idle_step()
+            self.pipe.idle_step(active)
             return None
         started = time.perf_counter()
         try:
-            self.pipe.step(self.state)
+            self.pipe.step(self.state, active)
         except Exception as exc:
             # pipe.step has already issued the gathers this step did not, so the other ranks'
             # forwards complete; only this job fails.
             log.exception("rank %d: step failed for job %s", self.rank, self._job_id())
-            return self._end(outcome="failed", error=f"render failed: {exc}")
+            ended = self._end(outcome="failed", error=f"render failed: {exc}")
+            return ended if self.leads else None
         self.compute_seconds += time.perf_counter() - started
         if not self.state.done:
             return None
         assert self.ticket is not None
+        if not self.leads:  # the replica's leader decodes and stores the video
+            self._end(outcome="succeeded")
+            return None
         try:
             frames = frames_to_uint8(self.pipe.decode(self.state)).cpu().numpy()
         except Exception as exc:
@@ -335,7 +355,8 @@ class RankLoop:
         if time.monotonic() - read_at >= self.host_memory_every_seconds:
             _, pss, _ = memory_figures()
             self._host_memory = (pss, time.monotonic())
-        return {"rank": self.rank, "device": str(self.platform.device),
+        return {"rank": self.rank, "replica": self.layout.replica(self.rank),
+                "device": str(self.platform.device),
                 "device_mem_used_bytes": total - free, "device_mem_total_bytes": total,
                 "host_mem_bytes": pss, "job_id": self._job_id(), "pid": os.getpid()}
 
@@ -361,12 +382,14 @@ def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
                 break
             statuses = loop.apply(plan)
             if plan.step:
-                ended = loop.step()
+                # Every rank, in step: which transformers some rank's job runs this step.
+                active = agree_handles(loop.pipe, loop.state, group=control)
+                ended = loop.step(active)
                 if ended is not None:
                     statuses.append(ended)
             # Files stored meanwhile; a turn without a step waits a little for them.
             statuses.extend(loop.written(wait=0.0 if plan.step else WRITE_WAIT_SECONDS))
-            if loop.ticket is not None:
+            if loop.ticket is not None and loop.leads:
                 statuses.append(loop.progress())
             statuses.append(loop.report())
             gathered: list[Any] = [None] * world if rank == 0 else []

@@ -3,8 +3,9 @@ over gloo sharing weights, started by `runtime.launch`.
 
 With ``dp > 1`` every rank loads the model with DLO (all-gather mode shards the block weights
 across the ranks), takes the request with its rank's index if there is one, and all ranks step in
-lock-step (``runtime.pipelines.base``): a rank without a request, or whose request has finished,
-calls ``idle_step`` until the longest request is done. Each rank with a request writes its own
+lock-step (``runtime.pipelines.base``): before each step the ranks agree which transformers it
+gathers (``agree_handles``), and a rank without a request, or whose request has finished, calls
+``idle_step`` until the longest request is done. Each rank with a request writes its own
 MP4 and thumbnail. Rank 0's progress and every rank's memory figures come back to the parent
 over a queue.
 """
@@ -23,8 +24,9 @@ import torch
 
 from common.families import TINY, TINY_MODEL, family_of
 from runtime.launch import RankContext, run_ranks
-from runtime.pipelines.base import VideoPipeline, VideoRequest
+from runtime.pipelines.base import VideoPipeline, VideoRequest, agree_handles
 from runtime.pipelines.tiny import TinyPipeline
+from runtime.sequence import SOLO, Layout, SequenceParallel, open_sequence
 from runtime.tiling import map_tiles, plan_tiles
 from storage.video import float_to_uint8, write_outputs
 
@@ -43,11 +45,14 @@ class RankReport:
 
 
 def load_pipeline(model: str, *, group: Any = None, device: Any = None,
-                  use_allgather: bool = True) -> VideoPipeline:
+                  use_allgather: bool = True,
+                  sequence: SequenceParallel | None = None) -> VideoPipeline:
     """``kiln-tiny`` or a local diffusers-format model directory, transformer under DLO, in the
-    pipeline of its family (``common.families``)."""
+    pipeline of its family (``common.families``); ``sequence``: this rank's replica split
+    (``runtime.sequence.open_sequence``)."""
     if family_of(model) is TINY:
-        return TinyPipeline.load(group=group, device=device, use_allgather=use_allgather)
+        return TinyPipeline.load(group=group, device=device, use_allgather=use_allgather,
+                                 sequence=sequence)
     path = Path(model)
     if not (path / "model_index.json").is_file():
         raise ValueError(f"--model must be {TINY_MODEL!r} or a diffusers model directory (with a "
@@ -57,7 +62,7 @@ def load_pipeline(model: str, *, group: Any = None, device: Any = None,
 
     # The loop its family names, or a ValueError saying which pipelines kiln drives.
     return DiffusersVideoPipeline.load(path, group=group, device=device,
-                                       use_allgather=use_allgather)
+                                       use_allgather=use_allgather, sequence=sequence)
 
 
 def output_path(out: str | os.PathLike[str], index: int) -> Path:
@@ -99,16 +104,18 @@ def frames_to_uint8(frames: Any, *, free_bytes: int | None = None) -> Any:
 def run_lockstep(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
                  on_step: Callable[[int, int], None] | None = None) -> Any:
     """Request ``rank`` (if there is one) stepped in lock-step with the other ranks, which run
-    the others; idle steps until the longest request is done. Returns the decoded float frames,
-    or None on a rank without a request."""
+    the others; idle steps until the longest request is done. Each step gathers only the
+    transformers some rank needs for it (`agree_handles`: every rank calls it, in step). Returns
+    the decoded float frames, or None on a rank without a request."""
     request = requests[rank] if rank < len(requests) else None
     num_inference_steps = max(r.num_inference_steps for r in requests)
     state = pipe.prepare(request) if request is not None else None
     for i in range(num_inference_steps):
+        active = agree_handles(pipe, state)
         if state is not None and not state.done:
-            pipe.step(state)
+            pipe.step(state, active)
         else:
-            pipe.idle_step()
+            pipe.idle_step(active)
         if on_step is not None:
             on_step(i + 1, num_inference_steps)
     return pipe.decode(state) if state is not None else None
@@ -116,17 +123,18 @@ def run_lockstep(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
 
 def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], out: str,
                 on_step: Callable[[int, int], None] | None = None, *,
-                started: float | None = None) -> RankReport:
-    """This rank's share of a lock-step render: its request (if any), written at its ``fps``;
-    idle steps otherwise."""
+                started: float | None = None, layout: Layout = SOLO) -> RankReport:
+    """This rank's share of a lock-step render: its replica's request (if any), written at its
+    ``fps`` by the replica's first rank; idle steps otherwise."""
     started = time.perf_counter() if started is None else started
-    decoded = run_lockstep(pipe, rank, requests, on_step)
+    index = layout.replica(rank)
+    decoded = run_lockstep(pipe, index, requests, on_step)
     video = thumb = None
     num_frames = 0
-    if decoded is not None:
+    if decoded is not None and layout.is_leader(rank):
         frames = frames_to_uint8(decoded).cpu().numpy()
         num_frames = int(frames.shape[0])
-        video, thumb = write_outputs(frames, output_path(out, rank), fps=requests[rank].fps)
+        video, thumb = write_outputs(frames, output_path(out, index), fps=requests[index].fps)
     peak, pss, private = memory_figures()
     dlo = next((h.stats() for h in pipe.handles if h is not None), {})
     return RankReport(rank=rank, out=str(video) if video else None,
@@ -135,32 +143,42 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
                       pss_bytes=pss, private_bytes=private, dlo=dlo)
 
 
+def _load_on_rank(model: str, use_allgather: bool, layout: Layout) -> VideoPipeline:
+    # gloo ranks; every rank opens the replicas' groups in step, before DLO opens its own.
+    return load_pipeline(model, device="cpu", use_allgather=use_allgather,
+                         sequence=open_sequence(layout, "gloo"))
+
+
 def _render_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest], out: str,
-                    use_allgather: bool) -> RankReport:
+                    use_allgather: bool, layout: Layout) -> RankReport:
     started = time.perf_counter()
-    pipe = load_pipeline(model, device="cpu", use_allgather=use_allgather)  # gloo ranks
+    pipe = _load_on_rank(model, use_allgather, layout)
     try:
         step_cb = ((lambda i, n: ctx.messages.put(("step", ctx.rank, i, n)))
                    if ctx.rank == 0 else None)
-        return render_rank(pipe, ctx.rank, requests, out, step_cb, started=started)
+        return render_rank(pipe, ctx.rank, requests, out, step_cb, started=started,
+                           layout=layout)
     finally:
         pipe.close()
 
 
 def _generate_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest],
-                      use_allgather: bool) -> Any:
-    pipe = load_pipeline(model, device="cpu", use_allgather=use_allgather)  # gloo ranks
+                      use_allgather: bool, layout: Layout) -> Any:
+    pipe = _load_on_rank(model, use_allgather, layout)
     try:
-        frames = run_lockstep(pipe, ctx.rank, requests)
+        frames = run_lockstep(pipe, layout.replica(ctx.rank), requests)
         return frames.cpu().numpy() if frames is not None else None
     finally:
         pipe.close()
 
 
-def generate_on_ranks(model: str, requests: list[VideoRequest], dp: int, *,
+def generate_on_ranks(model: str, requests: list[VideoRequest], dp: int, *, sp: int = 1,
                       use_allgather: bool = True, timeout_s: float = 600.0) -> list[Any]:
-    """Float frames ([N, H, W, 3] numpy) per rank, None for ranks without a request; no files."""
-    return run_ranks(dp, _generate_on_rank, model, requests, use_allgather, timeout_s=timeout_s)
+    """Float frames ([N, H, W, 3] numpy) per rank (every rank of a replica returns its
+    replica's), None for ranks without a request; no files. ``dp * sp`` ranks."""
+    layout = Layout(dp=dp, sp=sp)
+    return run_ranks(layout.world, _generate_on_rank, model, requests, use_allgather, layout,
+                     timeout_s=timeout_s)
 
 
 def _generate_rounds_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest],
@@ -186,20 +204,20 @@ def generate_in_rounds(model: str, requests: list[VideoRequest], dp: int, *,
 
 
 def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str], *,
-           dp: int = 1, use_allgather: bool = True,
+           dp: int = 1, sp: int = 1, use_allgather: bool = True,
            on_step: Callable[[int, int], None] | None = None,
            on_sample: Callable[[int], None] | None = None,
            timeout_s: float = 3600.0) -> list[RankReport]:
-    """Render ``requests`` (at most ``dp``) on ``dp`` ranks; returns one report per rank."""
+    """Render ``requests`` (at most ``dp``) on ``dp`` replicas of ``sp`` ranks each (request i
+    on replica i, its token sequence split over the replica's ranks); one report per rank."""
     if not requests:
         raise ValueError("no request to render")
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
+    layout = Layout(dp=dp, sp=sp)
     if len(requests) > dp:
-        raise ValueError(f"{len(requests)} prompts need dp >= {len(requests)} (one per rank), "
-                         f"got dp={dp}")
+        raise ValueError(f"{len(requests)} prompts need dp >= {len(requests)} (one per "
+                         f"replica), got dp={dp}")
     out = str(out)
-    if dp == 1:
+    if layout.world == 1:
         pipe = load_pipeline(model, use_allgather=use_allgather)
         try:
             return [render_rank(pipe, 0, requests, out, on_step)]
@@ -210,5 +228,5 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
         if kind == "step" and on_step is not None:
             on_step(*payload)
 
-    return run_ranks(dp, _render_on_rank, model, requests, out, use_allgather,
+    return run_ranks(layout.world, _render_on_rank, model, requests, out, use_allgather, layout,
                      on_message=on_message, on_sample=on_sample, timeout_s=timeout_s)

@@ -12,7 +12,7 @@ from sqlalchemy.exc import SQLAlchemyError
 import migrations
 from api.deps import CurrentUser, SessionDep, SettingsDep
 from api.errors import error_body
-from api.schemas import RankPublic, WorkerGroupList, WorkerGroupPublic
+from api.schemas import RankPublic, ReplicaPublic, WorkerGroupList, WorkerGroupPublic
 from storage import queries, workers
 
 router = APIRouter(tags=["system"])
@@ -33,9 +33,16 @@ def list_workers(user: CurrentUser, session: SessionDep,
             if fields.get("job_id") not in mine:
                 fields["job_id"] = None
             ranks.append(RankPublic.model_validate(fields))
+        sp = max(1, group.world_size // max(1, group.dp_size))
+        replicas = [ReplicaPublic(replica=i, ranks=list(range(i * sp, (i + 1) * sp)))
+                    for i in range(group.dp_size)]
+        for r in ranks:
+            if r.rank % sp == 0 and r.rank // sp < len(replicas):
+                replicas[r.rank // sp].job_id = r.job_id
         data.append(WorkerGroupPublic(
             id=group.id, name=group.name, host=group.host, model=group.model, mode=group.mode,
-            platform=group.platform, dp_size=group.dp_size, world_size=group.world_size,
+            platform=group.platform, dp_size=group.dp_size, sp_size=sp,
+            world_size=group.world_size, replicas=replicas,
             state=group.state, reason=group.state_reason, stale=stale,
             started_at=group.started_at,
             heartbeat_at=group.heartbeat_at, ranks=ranks,

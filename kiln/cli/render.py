@@ -16,7 +16,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 app = typer.Typer()
 
 
-
 def parse_size(size: str) -> tuple[int, int]:
     """``"WxH"`` -> (width, height)."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", size)
@@ -31,7 +30,7 @@ def _size(num_bytes: int) -> str:
 
 @app.command()
 def render(
-    prompt: Annotated[list[str], typer.Option(help="Prompt; repeat it for one video per rank.")],
+    prompt: Annotated[list[str], typer.Option(help="Prompt; repeat it for one video per replica.")],
     out: Annotated[Path, typer.Option(help="Output MP4; prompt i > 0 writes OUT-i.mp4.")],
     model: Annotated[str, typer.Option(help="'kiln-tiny' or a diffusers model directory.")] = (
         "kiln-tiny"),
@@ -42,7 +41,12 @@ def render(
     guidance: Annotated[float, typer.Option(help="Classifier-free guidance scale.")] = 5.0,
     negative_prompt: Annotated[str, typer.Option(help="Negative prompt.")] = "",
     fps: Annotated[int, typer.Option(help="Frames per second of the MP4.")] = 16,
-    dp: Annotated[int, typer.Option(help="CPU ranks sharing the weights over gloo.")] = 1,
+    dp: Annotated[int, typer.Option(
+        help="Replicas, each rendering its own prompt; all ranks share one copy of the "
+             "weights over gloo.")] = 1,
+    sp: Annotated[int, typer.Option(
+        help="Ranks per replica: each prompt's token sequence is split over them "
+             "(sequence parallelism); dp x sp CPU ranks in all.")] = 1,
     rank_local: Annotated[bool, typer.Option(
         help="Each rank streams whole blocks instead of sharding them.")] = False,
 ) -> None:
@@ -64,14 +68,15 @@ def render(
         raise typer.BadParameter(str(exc)) from exc
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
-        task = progress.add_task(f"loading {model} on {dp} rank(s)", total=steps)
+        task = progress.add_task(f"loading {model} on {dp * sp} rank(s)", total=steps)
 
         def on_step(i: int, n: int) -> None:
             progress.update(task, completed=i, total=n, description="denoising")
 
         pss_samples: list[int] = []
         try:
-            reports = run_render(model, requests, out, dp=dp, use_allgather=not rank_local,
+            reports = run_render(model, requests, out, dp=dp, sp=sp,
+                                 use_allgather=not rank_local,
                                  on_step=on_step, on_sample=pss_samples.append)
         except ValueError as exc:
             console.print(f"[red]error:[/red] {exc}")
@@ -87,7 +92,7 @@ def render(
     if pss_samples:
         # PSS splits shared pages (the mapped checkpoint, libraries) among the ranks mapping
         # them, so the sum counts every page once: the host memory the ranks hold together.
-        typer.echo(f"host memory, {dp} ranks together (summed PSS): peak "
+        typer.echo(f"host memory, {dp * sp} ranks together (summed PSS): peak "
                    f"{_size(max(pss_samples))}; per rank peak RSS: "
                    + ", ".join(_size(r.peak_rss_bytes) for r in reports)
                    + "; per rank DLO host shard: "

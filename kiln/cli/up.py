@@ -349,7 +349,10 @@ def _http_ok(url: str) -> bool:
 
 @app.command()
 def up(
-    dp: Annotated[int, typer.Option(help="Ranks in the worker group.")] = 2,
+    dp: Annotated[int, typer.Option(
+        help="Replicas in the worker group, each rendering its own job.")] = 2,
+    sp: Annotated[int, typer.Option(
+        help="Ranks per replica, splitting its job's token sequence.")] = 1,
     model: Model = "kiln-tiny",
     device: Device = "cpu",
     celery: Annotated[bool, typer.Option(help="Also run the Celery side work.")] = True,
@@ -412,12 +415,14 @@ def up(
         api = supervisor.start(Child("api", [_KILN, "api"], env, log("api")))
         api.wait_until(lambda: _http_ok(f"{api_url}/healthz"), "the API")
         supervisor.start(Child(
-            "worker", [_KILN, "worker", "--dp", str(dp), "--model", model, "--device", device],
+            "worker", [_KILN, "worker", "--dp", str(dp), "--sp", str(sp), "--model", model,
+                       "--device", device],
             env, log("worker")))
         if celery:
             supervisor.start(Child("celery", [_KILN, "celery"], env, log("celery")))
         typer.echo(f"api       {api_url}   (docs: {api_url}/docs, workers: {api_url}/v1/workers)")
-        typer.echo(f"worker    {dp} rank(s), model {model}, device {device}")
+        typer.echo(f"worker    {dp * sp} rank(s) (dp={dp} x sp={sp}), model {model}, "
+                   f"device {device}")
         typer.echo(f"admin key {key}   (also in {key_file})")
         if verbose:
             typer.echo(f"logs      here (redis: {logs / 'redis.log'})")

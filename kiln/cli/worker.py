@@ -15,7 +15,11 @@ app = typer.Typer()
 
 @app.command()
 def worker(
-    dp: Annotated[int, typer.Option(help="Ranks in the group; each renders its own job.")] = 1,
+    dp: Annotated[int, typer.Option(
+        help="Replicas in the group; each renders its own job.")] = 1,
+    sp: Annotated[int, typer.Option(
+        help="Ranks per replica: a job's token sequence is split over them (sequence "
+             "parallelism); the group has dp x sp ranks, sharing one copy of the weights.")] = 1,
     model: Model = "kiln-tiny",
     device: Device = "cpu",
     allgather: Annotated[bool, typer.Option(
@@ -27,15 +31,15 @@ def worker(
         min=1, help="A collective that takes longer than this means a rank hung: the group is "
                     "started again.")] = 600.0,
 ) -> None:
-    """Load the model once on --dp ranks, then render queued jobs until stopped (Ctrl-C)."""
+    """Load the model once on dp x sp ranks, then render queued jobs until stopped (Ctrl-C)."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
     from kiln.worker import WorkerConfig, run_worker
 
     if device not in ("cpu", "cuda", "npu"):
         raise typer.BadParameter(f"--device must be cpu, cuda or npu, got {device!r}")
-    if dp < 1:
-        raise typer.BadParameter(f"--dp must be >= 1, got {dp}")
-    config = WorkerConfig(dp=dp, model=model, device=device, use_allgather=allgather,
+    if dp < 1 or sp < 1:
+        raise typer.BadParameter(f"--dp and --sp must be >= 1, got dp={dp}, sp={sp}")
+    config = WorkerConfig(dp=dp, sp=sp, model=model, device=device, use_allgather=allgather,
                           drain_seconds=drain_seconds,
                           collective_timeout_seconds=collective_timeout_seconds)
     # The launcher's own lines (restarts, the attempts it ends) beside the ranks' "[rank N]".

@@ -12,6 +12,15 @@ N+1 (on a side stream on accelerators); the last block prefetches block 0 for th
 One thread and one dedicated process group mean every rank issues its gathers in the same order
 and they never interleave with other collectives. During its block's forward each parameter is a
 view into the active slot; outside it, a meta-device placeholder that holds no memory.
+
+Resident blocks: when the model, or part of it, fits on the device, streaming it only costs
+time (SGLang measured +60% latency from offloading a model that fits on an H200). With
+``resident_blocks=k``, or a ``device_budget_bytes`` that k blocks plus the two slots fit in, the
+first k blocks in streaming order are filled once at set-up (one all-gather each in allgather
+mode, a copy from the source in rank-local mode) into device buffers of their own and stay bound
+there for the life of the handle; only the others stream, and the slab keeps only their shards.
+Every rank of the group uses the same k, the smallest any rank asked for. With every block
+resident there are no slots, no transfers and no gathers per forward.
 """
 
 from __future__ import annotations
@@ -172,6 +181,7 @@ class DLOHandle:
         owns_group: bool,
         source: _Source,
         resident_bytes: int,
+        resident_blocks: int = 0,
     ) -> None:
         self.model = model
         self.config = config
@@ -182,7 +192,12 @@ class DLOHandle:
         self._source = source
         self._resident_bytes = resident_bytes
         self._max_block_bytes = max(lay.padded_bytes for lay in layouts)
+        # Blocks [0, k) stay on the device for the life of the handle; [k, n) stream.
+        self._num_resident = resident_blocks
+        self._streamed = layouts[resident_blocks:]
+        self._max_streamed_bytes = max((lay.padded_bytes for lay in self._streamed), default=0)
         self._lock = threading.Lock()
+        self._num_gathers = 0  # collective all-gathers issued, set-up included
         self._gather_seconds = 0.0
         self._wait_seconds = 0.0
         self._timing_events: list[tuple[str, Any, Any]] = []  # accelerator intervals to sum
@@ -191,26 +206,41 @@ class DLOHandle:
         self._placeholders = {
             e.name: self._placeholder(e) for lay in layouts for e in lay.entries
         }
-        self._slab, self._shards = self._fill_slab() if config.use_allgather else (None, [])
+        self._resident_bufs = [platform.empty_device(lay.padded_bytes)
+                               for lay in layouts[:resident_blocks]]
+        self._slab: torch.Tensor | None = None
+        self._shards: list[torch.Tensor | None] = []
+        if config.use_allgather:
+            self._slab, self._shards = self._fill_slab()
+        else:
+            self._fill_resident_whole()
         self._staging = (
-            platform.empty_host(self._max_block_bytes, pinned=True)
-            if platform.is_accelerator and not config.use_allgather else None
+            platform.empty_host(self._max_streamed_bytes, pinned=True)
+            if platform.is_accelerator and not config.use_allgather and self._streamed else None
         )
         self._staging_free: Any = None
-        self._slots = [platform.empty_device(self._max_block_bytes) for _ in range(2)]
+        self._slots = ([platform.empty_device(self._max_streamed_bytes) for _ in range(2)]
+                       if self._streamed else [])
         self._slot_free: list[Any] = [None, None]  # compute-stream events: slot no longer read
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for lay, buf in zip(layouts[:resident_blocks], self._resident_bufs, strict=True):
+            # Bound once, for the life of the handle: no hooks, never unbound before close().
+            views = _make_views(lay, buf)
+            for e in lay.entries:
+                _set_tensor(e, views[e.name])
         self._side_stream = platform.new_stream()
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-dlo")
         self._inflight: dict[int, tuple[int, cf.Future[Any]]] = {}  # block -> (slot, ready)
         self._bound: tuple[int, int] | None = None  # (block, slot) bound as views right now
         self._num_acquired = 0  # blocks acquired since set-up: forwards x blocks, on every rank
         self._hooks: list[RemovableHandle] = []
-        for lay, mod in zip(layouts, block_modules, strict=True):
+        for lay, mod in zip(layouts[resident_blocks:], block_modules[resident_blocks:],
+                            strict=True):
             self._unbind(lay)
             self._hooks.append(mod.register_forward_pre_hook(self._make_pre_hook(lay.index)))
             self._hooks.append(mod.register_forward_hook(self._make_post_hook(lay.index)))
-        self._prefetch(0, slot=0)
+        if self._streamed:
+            self._prefetch(self._streamed[0].index, slot=0)
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -219,16 +249,25 @@ class DLOHandle:
         t = torch.empty(e.shape, dtype=e.dtype, device="meta")
         return nn.Parameter(t, requires_grad=False) if e.is_param else t
 
-    def _fill_slab(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Copy this rank's shard of every block into one host slab, straight from the source."""
+    def _fill_slab(self) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """Copy this rank's shard of every block, straight from the source: a streamed block's
+        into one host slab, a resident block's into its place in the block's device buffer, which
+        an all-gather then completes (one per resident block, in block order on every rank)."""
         rank = self.config.rank
-        total = sum(lay.shard_bytes for lay in self._layouts)
-        slab = self.platform.empty_host(total, pinned=True)
-        shards = []
+        k = self._num_resident
+        total = sum(lay.shard_bytes for lay in self._streamed)
+        slab = self.platform.empty_host(total, pinned=True) if total else None
+        shards: list[torch.Tensor | None] = [None] * k
         pos = 0
         for lay in self._layouts:
-            shard = slab[pos : pos + lay.shard_bytes]
             lo, hi = lay.shard_range(rank)
+            if lay.index < k:
+                shard = self._resident_bufs[lay.index][lo:hi]
+            else:
+                assert slab is not None
+                shard = slab[pos : pos + lay.shard_bytes]
+                pos += lay.shard_bytes
+                shards.append(shard)
             shard.zero_()  # padding bytes, so every rank gathers deterministic contents
             for e in lay.entries:
                 begin, end = max(lo, e.offset), min(hi, e.offset + e.nbytes)
@@ -237,12 +276,25 @@ class DLOHandle:
                 src = self._source.bytes(e.name)
                 shard[begin - lo : end - lo].copy_(src[begin - e.offset : end - e.offset])
                 self._source.done_with(e.name, begin - e.offset, end - e.offset)
-            shards.append(shard)
-            pos += lay.shard_bytes
         self._source.release_again(self._group)
         # The model's own copies of the block tensors are no longer needed.
         self._source.model_tensors.clear()
+        if self.config.world_size > 1:
+            for lay, buf in zip(self._layouts[:k], self._resident_bufs, strict=True):
+                lo, hi = lay.shard_range(rank)
+                _all_gather(buf, buf[lo:hi], self._group)
+                self._num_gathers += 1
         return slab, shards
+
+    def _fill_resident_whole(self) -> None:
+        """Rank-local mode: copy each resident block whole from the source into its buffer."""
+        for lay, buf in zip(self._layouts[: self._num_resident], self._resident_bufs,
+                            strict=True):
+            buf.zero_()
+            for e in lay.entries:
+                buf[e.offset : e.offset + e.nbytes].copy_(self._source.bytes(e.name))
+                # Only streamed blocks are read from the source again.
+                self._source.model_tensors.pop(e.name, None)
 
     # ---- the transfer thread ------------------------------------------------------------
 
@@ -259,10 +311,14 @@ class DLOHandle:
                 p.wait_event(self._slot_free[slot_index], self._side_stream)
             if self.config.use_allgather:
                 lo, hi = lay.shard_range(self.config.rank)
-                slot[lo:hi].copy_(self._shards[index], non_blocking=True)
+                shard = self._shards[index]
+                assert shard is not None, "a resident block never streams"
+                slot[lo:hi].copy_(shard, non_blocking=True)
                 if self.config.world_size > 1:
                     # In place: this rank's shard already sits at its position in the output.
                     _all_gather(slot, slot[lo:hi], self._group)
+                    with self._lock:
+                        self._num_gathers += 1
             else:
                 self._stream_whole_block(lay, slot)
             ready = p.record_event(self._side_stream)
@@ -289,7 +345,9 @@ class DLOHandle:
         self._inflight[index] = (slot, self._executor.submit(self._load, index, slot))
 
     def _next(self, index: int) -> int:
-        return (index + 1) % len(self._layouts)
+        # The last streamed block prefetches the first streamed block for the next forward.
+        nxt = index + 1
+        return nxt if nxt < len(self._layouts) else self._num_resident
 
     # ---- the forward --------------------------------------------------------------------
 
@@ -351,12 +409,7 @@ class DLOHandle:
     def _views_for(self, index: int, slot: int) -> dict[str, torch.Tensor]:
         key = (index, slot)
         if key not in self._views:
-            buf = self._slots[slot]
-            views = {}
-            for e in self._layouts[index].entries:
-                t = buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
-                views[e.name] = nn.Parameter(t, requires_grad=False) if e.is_param else t
-            self._views[key] = views
+            self._views[key] = _make_views(self._layouts[index], self._slots[slot])
         return self._views[key]
 
     def _bind(self, index: int, slot: int) -> None:
@@ -391,15 +444,27 @@ class DLOHandle:
         """Take part in one forward's worth of gathers without computing.
 
         A rank with no work calls this once for every forward the other ranks run, so their
-        collectives find a partner.
+        collectives find a partner. Resident blocks take no part; with every block resident this
+        does nothing.
         """
-        for index in range(len(self._layouts)):
-            slot = self._acquire(index)
-            self._release(index, slot)
+        for lay in self._streamed:
+            slot = self._acquire(lay.index)
+            self._release(lay.index, slot)
 
     @property
     def num_blocks(self) -> int:
+        """All blocks of the block lists, resident and streamed."""
         return len(self._layouts)
+
+    @property
+    def resident_blocks(self) -> int:
+        """Blocks kept on the device for the life of the handle: the first k in streaming order."""
+        return self._num_resident
+
+    @property
+    def streamed_blocks(self) -> int:
+        """Blocks acquired per forward: those that stream through the slots."""
+        return len(self._streamed)
 
     @property
     def num_acquired(self) -> int:
@@ -412,6 +477,8 @@ class DLOHandle:
         After a forward raised part-way, this issues the gathers it did not, so the other ranks'
         forwards still find a partner for every block.
         """
+        if not self._streamed:
+            return  # every block is resident: nothing is acquired, nothing to gather
         while self._num_acquired < num_acquired:
             if len(self._inflight) != 1:
                 # Exactly one prefetch is in flight between blocks, unless a gather failed
@@ -431,11 +498,15 @@ class DLOHandle:
             self._slab.numel() if self._slab is not None
             else self._staging.numel() if self._staging is not None else 0
         )
+        resident_block_bytes = sum(lay.padded_bytes for lay in self._layouts[: self._num_resident])
         return {
             "num_blocks": len(self._layouts),
             "max_block_bytes": self._max_block_bytes,
-            "device_weight_buffer_bytes": sum(s.numel() for s in self._slots),
+            "device_weight_buffer_bytes": resident_block_bytes + 2 * self._max_streamed_bytes,
             "resident_bytes": self._resident_bytes,
+            "resident_blocks": self._num_resident,
+            "resident_block_bytes": resident_block_bytes,
+            "num_gathers": self._num_gathers,
             "host_shard_bytes": host_bytes,
             "shard_count": self.config.shard_count,
             "gather_seconds": self._gather_seconds,
@@ -457,6 +528,9 @@ class DLOHandle:
         self._hooks.clear()
         self._views.clear()
         self._slots = []
+        for lay in self._layouts[: self._num_resident]:
+            self._unbind(lay)  # the resident blocks' device buffers go with the handle
+        self._resident_bufs = []
         self._shards = []
         for buf in (self._slab, self._staging):
             if buf is not None:
@@ -469,6 +543,15 @@ class DLOHandle:
             dist.destroy_process_group(self._group)
         self._group = None
         self._closed = True
+
+
+def _make_views(lay: BlockLayout, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each tensor of block ``lay`` as a view into ``buf``, the block's flat byte buffer."""
+    views: dict[str, torch.Tensor] = {}
+    for e in lay.entries:
+        t = buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+        views[e.name] = nn.Parameter(t, requires_grad=False) if e.is_param else t
+    return views
 
 
 def _set_tensor(e: Entry, t: torch.Tensor) -> None:
@@ -511,26 +594,57 @@ def _weight_group(group: Any, backend: str) -> tuple[Any, bool, int, int]:
     return wgroup, False, dist.get_rank(wgroup), len(ranks)
 
 
-def _agree(group: Any, error: str | None, digest: str) -> None:
-    """Raise the same ValueError on every rank if any rank failed or the layouts differ."""
+def _agree(group: Any, error: str | None, digest: str, resident_blocks: int = 0) -> int:
+    """Raise the same ValueError on every rank if any rank failed or the layouts differ; else
+    return the fewest resident blocks any rank asked for (free memory differs between ranks)."""
     if group is None:
         if error:
             raise ValueError(error)
-        return
+        return resident_blocks
     results: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(results, (error, digest), group=group)
+    dist.all_gather_object(results, (error, digest, resident_blocks), group=group)
     failures: dict[str, list[int]] = {}
-    for rank, (err, _) in enumerate(results):
+    for rank, (err, _, _) in enumerate(results):
         if err:
             failures.setdefault(err, []).append(rank)
     if failures:
         raise ValueError("; ".join(f"rank(s) {','.join(map(str, r))}: {msg}"
                                    for msg, r in failures.items()))
-    digests = [d for _, d in results]
+    digests = [d for _, d, _ in results]
     if len(set(digests)) > 1:
         raise ValueError("the shard layouts differ across ranks (layout digest per rank: "
                          f"{digests}); every rank must build the same model with the same "
                          "dtypes and block lists")
+    return min(k for _, _, k in results)
+
+
+def _check_count(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 0):
+        raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
+
+
+def _resident_count(layouts: list[BlockLayout], resident_blocks: int | None,
+                    device_budget_bytes: int | None) -> int:
+    """How many leading blocks stay resident: ``resident_blocks`` (clamped to the block count)
+    if given; else the most whose bytes, plus two slots for the largest block still streamed,
+    fit in ``device_budget_bytes`` (every block, and no slot, if all of them fit); else 0."""
+    n = len(layouts)
+    if resident_blocks is not None:
+        return min(resident_blocks, n)
+    if device_budget_bytes is None:
+        return 0
+    sizes = [lay.padded_bytes for lay in layouts]
+    suffix_max = [0] * (n + 1)  # suffix_max[k]: the largest block streamed when k are resident
+    for i in range(n - 1, -1, -1):
+        suffix_max[i] = max(sizes[i], suffix_max[i + 1])
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    for k in range(n, 0, -1):
+        if prefix[k] + 2 * suffix_max[k] <= device_budget_bytes:
+            return k
+    return 0
 
 
 def apply_dlo(
@@ -541,6 +655,8 @@ def apply_dlo(
     group: Any = None,
     use_allgather: bool = True,
     device: torch.device | str | None = None,
+    resident_blocks: int | None = None,
+    device_budget_bytes: int | None = None,
 ) -> DLOHandle:
     """Stream ``model``'s block lists through two device slots; see the module docstring.
 
@@ -553,6 +669,12 @@ def apply_dlo(
             torch.distributed is initialised, else this process alone.
         use_allgather: shard the weights across the group (False: rank-local streaming).
         device: where the forward runs; default the current accelerator, else the CPU.
+        resident_blocks: keep the first k blocks in streaming order on the device for the life
+            of the handle (clamped to the number of blocks); the rest stream.
+        device_budget_bytes: when ``resident_blocks`` is None, device bytes for block weights
+            (resident blocks plus the two slots; non-block tensors are not counted): keep as
+            many leading blocks resident as fit. Every rank of the group uses the fewest
+            resident blocks any rank's arguments give. Default (neither): every block streams.
     """
     platform = get_platform(device)
     block_lists = _resolve_block_lists(model, blocks)
@@ -571,11 +693,15 @@ def apply_dlo(
     ckpt: Checkpoint | None = None
     source = _Source(None)
     resident_bytes = 0
+    num_resident = 0
     try:
+        _check_count("resident_blocks", resident_blocks)
+        _check_count("device_budget_bytes", device_budget_bytes)
         for path, blist in block_lists:
             for i, block in enumerate(blist):
                 layouts.append(build_layout(len(layouts), f"{path}.{i}", block, shard_count))
                 modules.append(block)
+        num_resident = _resident_count(layouts, resident_blocks, device_budget_bytes)
         streamed = {e.name for lay in layouts for e in lay.entries}
         block_ids = {id(t) for path, blist in block_lists
                      for _, _, _, _, t in block_tensors(path, blist)}
@@ -612,15 +738,18 @@ def apply_dlo(
     except ValueError as exc:
         error = str(exc)
     try:
-        _agree(wgroup, error, layout_digest(layouts, shard_count))
+        num_resident = _agree(wgroup, error, layout_digest(layouts, shard_count), num_resident)
     except ValueError:
         if ckpt is not None:
             ckpt.close()
         if owns_group:
             dist.destroy_process_group(wgroup)
         raise
+    if num_resident:
+        log.info("DLO: %d of %d blocks resident on the device", num_resident, len(layouts))
     return DLOHandle(model, layouts, modules, config=config, platform=platform, group=wgroup,
-                     owns_group=owns_group, source=source, resident_bytes=resident_bytes)
+                     owns_group=owns_group, source=source, resident_bytes=resident_bytes,
+                     resident_blocks=num_resident)
 
 
 def _current(e: Entry) -> torch.Tensor:

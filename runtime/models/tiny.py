@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from runtime.sequence import SequenceParallel
+
 PAD_ID = 0
 BOS_ID = 1
 # Weights trained by scripts/train_tiny.py on procedural shape clips (runtime.models.shapes).
@@ -112,6 +114,13 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int
     return out.transpose(1, 2).reshape(b, n, d)
 
 
+def _attention_BLHD(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention on [B, L, heads, head_dim] inputs (a replica's head shard, see
+    ``runtime.sequence``): the same kernel call as `_attention`."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
 class TinyTextLayer(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -185,14 +194,22 @@ class TinyBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"),
                                  nn.Linear(cfg.ffn_dim, d))
 
-    def forward(self, x_BLD: torch.Tensor, text_BTE: torch.Tensor,
-                mod_B6D: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BLD: torch.Tensor, text_BTE: torch.Tensor, mod_B6D: torch.Tensor,
+                seq: tuple[SequenceParallel, int] | None = None) -> torch.Tensor:
+        """``seq``: (the replica's split, the whole sequence's length) when ``x_BLD`` is this
+        rank's shard of the video tokens; only self-attention needs the other shards."""
         shift1, scale1, gate1, shift2, scale2, gate2 = (
             (self.scale_shift_table + mod_B6D).unsqueeze(2).unbind(1)
         )
         h = self.norm1(x_BLD) * (1 + scale1) + shift1
         q, k, v = self.qkv(h).chunk(3, dim=-1)
-        x_BLD = x_BLD + gate1 * self.attn_out(_attention(q, k, v, self.num_heads))
+        if seq is None:
+            attn = _attention(q, k, v, self.num_heads)
+        else:
+            sp, length = seq
+            q, k, v = (t.unflatten(-1, (self.num_heads, -1)) for t in (q, k, v))
+            attn = sp.attention(q, k, v, length, _attention_BLHD).flatten(2)
+        x_BLD = x_BLD + gate1 * self.attn_out(attn)
         k, v = self.cross_kv(text_BTE).chunk(2, dim=-1)
         x_BLD = x_BLD + self.cross_out(_attention(self.cross_q(self.norm2(x_BLD)), k, v,
                                                   self.num_heads))
@@ -214,6 +231,8 @@ class TinyTransformer(nn.Module):
         self.head_table = nn.Parameter(torch.randn(1, 2, d) / d**0.5)
         self.norm_out = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
         self.proj_out = nn.Linear(d, c * p * p)
+        # Set by the pipeline when the ranks of a replica split the sequence (runtime.sequence).
+        self.sequence_parallel: SequenceParallel | None = None
 
     def forward(self, x_BCFHW: torch.Tensor, timestep_B: torch.Tensor,
                 text_BTE: torch.Tensor) -> torch.Tensor:
@@ -226,8 +245,15 @@ class TinyTransformer(nn.Module):
         x_BLD = x_BLD + positions_3d(f, hp, wp, d).to(x_BLD.dtype)
         temb_BD = self.time_embed(sinusoid(timestep_B, self.cfg.freq_dim).to(x_BLD.dtype))
         mod_B6D = self.time_proj(temb_BD).unflatten(1, (6, d))
-        for block in self.blocks:
-            x_BLD = block(x_BLD, text_BTE, mod_B6D)
+        sp, length = self.sequence_parallel, x_BLD.shape[1]
+        if sp is None:
+            for block in self.blocks:
+                x_BLD = block(x_BLD, text_BTE, mod_B6D)
+        else:  # the blocks run on this rank's shard of the tokens
+            x_BLD = sp.split(x_BLD)
+            for block in self.blocks:
+                x_BLD = block(x_BLD, text_BTE, mod_B6D, (sp, length))
+            x_BLD = sp.gather(x_BLD, length)
         shift, scale = (self.head_table + temb_BD[:, None]).unsqueeze(2).unbind(1)
         out = self.proj_out(self.norm_out(x_BLD) * (1 + scale) + shift)
         out = out.reshape(b, f, hp, wp, c, p, p).permute(0, 4, 1, 2, 5, 3, 6)

@@ -4,12 +4,17 @@ Every pipeline offers
 
 - ``state = pipe.prepare(request)``: text encoding, initial noise, the schedule. Local work only:
   no collective and no forward of a DLO-streamed transformer.
-- ``pipe.step(state)``: one denoising step. Every streamed transformer (``pipe.handles``)
-  acquires **exactly** ``pipe.forwards_per_step`` forwards' worth of blocks: the gathers of a
-  forward the job does not need (no classifier-free guidance, the other expert of a
-  two-transformer model), or that a forward which raised part-way never reached, are issued
-  without computing (``handle.idle_until``) before ``step`` returns or re-raises.
-- ``pipe.idle_step()``: the same gathers for a rank that has no job this step.
+- ``pipe.handles_needed(state)``: per streamed transformer (``pipe.handles``), whether the job's
+  next step runs it (the expert of a two-transformer model its timestep falls on).
+- ``active = agree_handles(pipe, state)``, on every rank of the group before every step: the
+  union of the ranks' needs (an all-reduce; an idle rank needs nothing).
+- ``pipe.step(state, active)``: one denoising step. Every active transformer acquires **exactly**
+  ``pipe.forwards_per_step`` forwards' worth of blocks: the gathers of a forward the job does not
+  need (no classifier-free guidance in a pipeline that runs the pair as two forwards, the expert
+  another rank needs), or that a forward which raised part-way never reached, are issued without
+  computing (``handle.idle_until``) before ``step`` returns or re-raises. A transformer that is not
+  active is neither run nor gathered; ``active=None`` means all of them.
+- ``pipe.idle_step(active)``: the same gathers for a rank that has no job this step.
 - ``pipe.decode(state)``: float frames ``[N, H, W, 3]`` in [0, 1] (request-tiled, see
   ``runtime.tiling``).
 
@@ -22,8 +27,15 @@ that has finished calls ``idle_step`` until the longest job is done).
 
 For the same reason the classifier-free-guidance pair is never tiled by free memory into a
 varying number of forwards: free memory differs across ranks, and so would the forward counts.
-Each family runs its CFG the way the reference implementation does (two batch-1 forwards for
-Wan and kiln-tiny, one batch-2 forward for CogVideoX), a constant per pipeline.
+Every family runs the pair as one batch-2 forward (conditional and unconditional stacked on the
+batch axis), so each block is gathered once per step and computes both branches while it sits in
+its slot; a request without guidance runs a batch-1 forward through the same gathers. kiln-tiny
+and Wan keep the two batch-1 forwards of the reference loops as an option (``cfg_batch=False``:
+``forwards_per_step`` 2), for comparison.
+
+Which transformers a step gathers is agreed per step, not fixed: a two-expert model (Wan2.2)
+gathers only the experts some rank of the group needs at this step, so ranks on the same side
+of the boundary gather one expert's blocks, and ranks on either side gather both.
 """
 
 from __future__ import annotations
@@ -34,10 +46,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from common.families import TINY
 from common.render import RenderFields
 from runtime.dlo import DLOHandle
+from runtime.platform import default_device
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -86,7 +100,8 @@ class DenoiseState:
 class VideoPipeline(abc.ABC):
     """Base class: enforces the forwards-per-step contract of the module docstring."""
 
-    #: Forwards of each streamed transformer per step, whatever the job.
+    #: Forwards of each active streamed transformer per step, whatever the job (an instance
+    #: may set its own).
     forwards_per_step: int = 1
 
     def __init__(self, handles: Sequence[DLOHandle | None]) -> None:
@@ -104,21 +119,49 @@ class VideoPipeline(abc.ABC):
     @abc.abstractmethod
     def decode(self, state: DenoiseState) -> torch.Tensor: ...
 
-    def step(self, state: DenoiseState) -> None:
+    def handles_needed(self, state: DenoiseState) -> list[bool]:
+        """Per entry of ``handles``: whether this job's next step runs that transformer."""
+        return [True] * len(self.handles)
+
+    def _active(self, active: Sequence[bool] | None) -> list[bool]:
+        if active is None:
+            return [True] * len(self.handles)
+        active = [bool(a) for a in active]
+        if len(active) != len(self.handles):
+            raise ValueError(f"active names {len(active)} transformers, the pipeline has "
+                             f"{len(self.handles)}")
+        return active
+
+    def step(self, state: DenoiseState, active: Sequence[bool] | None = None) -> None:
+        """One denoising step; ``active``: the transformers the group runs this step (the union
+        of its ranks' needs, `agree_handles`; None: all of them)."""
         if state.done:
             raise ValueError(f"the job has run all its {state.num_inference_steps} steps")
-        targets = [None if h is None else h.num_acquired + self.forwards_per_step * h.num_blocks
-                   for h in self.handles]
+        on = self._active(active)
+        before = [None if h is None else h.num_acquired for h in self.handles]
+        targets = [None if h is None or not a else
+                   h.num_acquired + self.forwards_per_step * h.streamed_blocks
+                   for h, a in zip(self.handles, on, strict=True)]
         self._step_targets = targets
         try:
+            missing = [i for i, (need, a) in enumerate(
+                zip(self.handles_needed(state), on, strict=True)) if need and not a]
+            if missing:
+                raise ValueError(f"this step needs transformer(s) {missing}, which the group "
+                                 f"does not run this step (active={on})")
             self._denoise(state)
         finally:
-            # The gathers this job did not need (no CFG, the other expert), or that a forward
-            # which raised part-way never issued: every other rank is waiting for them.
+            # The gathers this job did not need (no CFG, the expert another rank needs), or that
+            # a forward which raised part-way never issued: every other rank is waiting for them.
             self._complete_handles_before(len(self.handles))
             self._step_targets = None
-        for handle, target in zip(self.handles, targets, strict=True):
-            if handle is not None and handle.num_acquired != target:
+        for handle, target, start in zip(self.handles, targets, before, strict=True):
+            if handle is None:
+                continue
+            if target is None and handle.num_acquired != start:
+                raise AssertionError(f"{type(self).__name__} ran a transformer that is not "
+                                     "active this step")
+            if target is not None and handle.num_acquired != target:
                 raise AssertionError(f"{type(self).__name__} ran more than forwards_per_step="
                                      f"{self.forwards_per_step} forwards in one step")
         state.step_index += 1
@@ -137,9 +180,10 @@ class VideoPipeline(abc.ABC):
             if handle is not None and target is not None:
                 handle.idle_until(target)
 
-    def idle_step(self) -> None:
-        for handle in self.handles:
-            if handle is not None:
+    def idle_step(self, active: Sequence[bool] | None = None) -> None:
+        """A step's gathers of the ``active`` transformers (None: all), computing nothing."""
+        for handle, on in zip(self.handles, self._active(active), strict=True):
+            if handle is not None and on:
                 for _ in range(self.forwards_per_step):
                     handle.idle_forward()
 
@@ -157,3 +201,25 @@ class VideoPipeline(abc.ABC):
         for handle in self.handles:
             if handle is not None:
                 handle.close()
+
+
+def agree_handles(pipe: VideoPipeline, state: DenoiseState | None,
+                  group: Any = None) -> list[bool]:
+    """The transformers the group runs this step: the union over its ranks of
+    ``pipe.handles_needed`` (a rank without a job, or whose job is done, needs none).
+
+    Every rank of ``group`` calls it before every step, in step: it all-reduces (MAX) one small
+    int tensor. ``group``: None is the default process group when torch.distributed is
+    initialised, else this rank alone (its own needs)."""
+    needs = ([False] * len(pipe.handles) if state is None or state.done
+             else [bool(n) for n in pipe.handles_needed(state)])
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return needs
+    if dist.get_world_size(group) == 1:
+        return needs
+    # gloo reduces host tensors; the accelerator backends reduce device ones.
+    device = (torch.device("cpu") if str(dist.get_backend(group)) == "gloo"
+              else getattr(pipe, "device", None) or default_device())
+    flags = torch.tensor([int(n) for n in needs], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in flags.tolist()]

@@ -9,11 +9,15 @@ scheduler around those transformers. The offload mechanism knows nothing about t
 
 What differs per family is the denoising loop, and only that is written here (which loop a model
 gets, and the least size multiple it renders, come from its family in ``common.families``),
-following each reference pipeline operation for operation so the output matches it bit for bit
-(CPU, fp32, the same number of CPU threads: kernels split their reductions by thread count):
-``WanPipeline`` (Wan2.1, Wan2.2 with two experts) and ``CogVideoXPipeline``. The loop is driven
-step by step (see ``runtime.pipelines.base``); each job keeps its own copy of the scheduler,
-whose multistep state belongs to that job.
+following each reference pipeline operation for operation: ``WanPipeline`` (Wan2.1, Wan2.2 with
+two experts) and ``CogVideoXPipeline``. CogVideoX's output matches its reference bit for bit
+(CPU, fp32, the same number of CPU threads: kernels split their reductions by thread count), and
+so does Wan's with ``cfg_batch=False``. By default Wan runs its CFG pair as one batch-2 forward
+where ``WanPipeline`` runs two batch-1 forwards (one gather per block per step, not two), which
+changes the last bits: a one-row matmul (the timestep embedding of a batch-1 forward) takes a
+different kernel from a two-row one. The loop is driven step by step (see
+``runtime.pipelines.base``); each job keeps its own copy of the scheduler, whose multistep state
+belongs to that job.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from common.families import COGVIDEOX, FAMILIES, WAN, Family, family_of
 from runtime.dlo import DLOHandle, apply_dlo
 from runtime.models.loading import build_on_meta
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
+from runtime.pipelines.wan_sequence import enable_sequence_parallel
 from runtime.platform import default_device
+from runtime.sequence import SequenceParallel
 from runtime.tiling import map_tiles, plan_tiles
 
 TRANSFORMER_NAMES = ("transformer", "transformer_2")
@@ -48,10 +54,16 @@ class DiffusersVideoPipeline(VideoPipeline):
     family: ClassVar[Family]
     #: The reference pipeline's default text length.
     max_sequence_length: ClassVar[int] = 512
+    #: Whether the loop can run the CFG pair as two batch-1 forwards (``cfg_batch=False``).
+    unbatched_cfg: ClassVar[bool] = True
 
     def __init__(self, pipe: Any, handles: Sequence[DLOHandle | None], *,
-                 device: torch.device, text_handle: DLOHandle | None = None) -> None:
+                 device: torch.device, text_handle: DLOHandle | None = None,
+                 cfg_batch: bool = True) -> None:
+        if not cfg_batch and not self.unbatched_cfg:
+            raise ValueError(f"{self.family.name} runs its CFG pair as one batch-2 forward only")
         super().__init__(handles)
+        self.cfg_batch = cfg_batch  # the CFG pair as one batch-2 forward
         self.pipe = pipe
         self.device = device
         self.text_handle = text_handle  # the text encoder's blocks, streamed rank-local
@@ -62,8 +74,11 @@ class DiffusersVideoPipeline(VideoPipeline):
 
     @staticmethod
     def load(model_dir: str | Path, *, group: Any = None, device: Any = None,
-             use_allgather: bool = True) -> DiffusersVideoPipeline:
-        """The loop of the model's family (``common.families.family_of``) around its components."""
+             use_allgather: bool = True, cfg_batch: bool = True,
+             sequence: SequenceParallel | None = None) -> DiffusersVideoPipeline:
+        """The loop of the model's family (``common.families.family_of``) around its components;
+        ``cfg_batch=False``: Wan's CFG pair as two batch-1 forwards (CogVideoX refuses it);
+        ``sequence``: the replica's split of the token sequence (Wan; ``runtime.sequence``)."""
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
         name = index.get("_class_name", "")
@@ -73,6 +88,11 @@ class DiffusersVideoPipeline(VideoPipeline):
                                for c in f.diffusers_classes)
             raise ValueError(f"{model_dir}: pipeline {name!r} is not supported; kiln drives "
                              f"{', '.join(supported)}")
+        if not cfg_batch and not loop.unbatched_cfg:
+            raise ValueError(f"{loop.family.name} runs its CFG pair as one batch-2 forward only")
+        if sequence is not None and loop is not WanVideoPipeline:
+            raise ValueError(f"{model_dir}: sequence parallelism (sp > 1) renders the Wan "
+                             f"family; {name} runs at sp=1")
         # The engine's default device too, so every component lands on the same one.
         dev = torch.device(device) if device is not None else default_device()
         transformers: dict[str, Any] = {}
@@ -86,6 +106,8 @@ class DiffusersVideoPipeline(VideoPipeline):
             model._kiln_dtype = next(model.parameters()).dtype
             handles.append(apply_dlo(model, checkpoint=model_dir / tname, group=group,
                                      use_allgather=use_allgather, device=dev))
+            if sequence is not None:
+                enable_sequence_parallel(model, sequence)
             transformers[tname] = model
         if not transformers:
             raise ValueError(f"{model_dir}: no transformer directory")
@@ -106,7 +128,7 @@ class DiffusersVideoPipeline(VideoPipeline):
         pipe.vae.to(dev)
         if text_handle is None:
             pipe.text_encoder.to(dev)
-        return loop(pipe, handles, device=dev, text_handle=text_handle)
+        return loop(pipe, handles, device=dev, text_handle=text_handle, cfg_batch=cfg_batch)
 
     def close(self) -> None:
         super().close()
@@ -183,11 +205,17 @@ def _check_frames(r: VideoRequest, family: Family, temporal: int, multiple: int)
 
 
 class WanVideoPipeline(DiffusersVideoPipeline):
-    """Wan2.1 / Wan2.2 T2V: CFG as two batch-1 forwards (conditional, then unconditional)."""
+    """Wan2.1 / Wan2.2 T2V: CFG as one batch-2 forward ([conditional, unconditional]); with
+    ``cfg_batch=False`` as two batch-1 forwards (conditional, then unconditional), as the
+    reference pipeline runs it. Wan2.2 gathers only the expert its step needs (``handles_needed``).
+    """
 
     family = WAN
-    forwards_per_step = 2
     max_sequence_length = 512
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.forwards_per_step = 1 if self.cfg_batch else 2
 
     @torch.no_grad()
     def prepare(self, request: VideoRequest) -> DenoiseState:
@@ -216,28 +244,49 @@ class WanVideoPipeline(DiffusersVideoPipeline):
         return DenoiseState(request=r, latents=latents,
                             num_inference_steps=r.num_inference_steps, extra=extra)
 
+    def _expert(self, state: DenoiseState) -> int:
+        """The transformer the job's next step runs: Wan2.2's high-noise expert at timesteps at
+        or above the boundary, the low-noise one below (Wan2.1: its one transformer)."""
+        t = state.extra["scheduler"].timesteps[state.step_index]
+        boundary = state.extra["boundary"]
+        return 0 if boundary is None or t >= boundary else 1
+
+    def handles_needed(self, state: DenoiseState) -> list[bool]:
+        expert = self._expert(state)
+        return [i == expert for i in range(len(self.handles))]
+
     @torch.no_grad()
     def _denoise(self, state: DenoiseState) -> None:
         x, scheduler = state.extra, state.extra["scheduler"]
         t = scheduler.timesteps[state.step_index]
-        # Wan2.2: the high-noise expert above the boundary, the low-noise one below.
-        expert = 0 if x["boundary"] is None or t >= x["boundary"] else 1
+        expert = self._expert(state)
         model = self.transformers[expert]
         self._complete_handles_before(expert)  # same handle order on every rank
         latents = state.latents
         model_input = latents.to(model._kiln_dtype)
+        batched = x["uncond"] is not None and self.cfg_batch
+        batch = 2 * latents.shape[0] if batched else latents.shape[0]
         if self.pipe.config.expand_timesteps:
             # Wan2.2 TI2V: one timestep per token (every token is noised the same here).
             mask = torch.ones(latents.shape, dtype=torch.float32, device=latents.device)
-            timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(
-                latents.shape[0], -1)
+            timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(batch, -1)
         else:
-            timestep = t.expand(latents.shape[0])
-        noise = model(hidden_states=model_input, timestep=timestep,
-                      encoder_hidden_states=x["cond"], return_dict=False)[0]
-        if x["uncond"] is not None:
-            noise_uncond = model(hidden_states=model_input, timestep=timestep,
-                                 encoder_hidden_states=x["uncond"], return_dict=False)[0]
+            timestep = t.expand(batch)
+        noise_uncond = None
+        if batched:
+            # [cond, uncond] on the batch axis (both padded to max_sequence_length): each block
+            # computes both branches while it is in its slot.
+            noise, noise_uncond = model(
+                hidden_states=torch.cat([model_input, model_input]), timestep=timestep,
+                encoder_hidden_states=torch.cat([x["cond"], x["uncond"]]),
+                return_dict=False)[0].chunk(2)
+        else:
+            noise = model(hidden_states=model_input, timestep=timestep,
+                          encoder_hidden_states=x["cond"], return_dict=False)[0]
+            if x["uncond"] is not None:
+                noise_uncond = model(hidden_states=model_input, timestep=timestep,
+                                     encoder_hidden_states=x["uncond"], return_dict=False)[0]
+        if noise_uncond is not None:
             noise = noise_uncond + state.request.guidance_scale * (noise - noise_uncond)
         state.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
 
@@ -259,6 +308,8 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
     family = COGVIDEOX
     forwards_per_step = 1
     max_sequence_length = 226
+
+    unbatched_cfg = False
 
     @torch.no_grad()
     def prepare(self, request: VideoRequest) -> DenoiseState:

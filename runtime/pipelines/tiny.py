@@ -1,7 +1,10 @@
 """The kiln-tiny pipeline: flow-matching Euler sampling with classifier-free guidance, then decode.
 
-CFG runs as two batch-1 forwards (conditional, then unconditional), so ``forwards_per_step`` is 2;
-a request with ``guidance_scale <= 1`` runs one and idles the other (see ``base``).
+CFG runs as one batch-2 forward (conditional and unconditional stacked on the batch axis), so each
+block is gathered once per step and ``forwards_per_step`` is 1; a request with
+``guidance_scale <= 1`` runs a batch-1 forward. ``cfg_batch=False`` runs the pair as two batch-1
+forwards instead (conditional, then unconditional; ``forwards_per_step`` 2, a request without
+guidance idling the second), to measure what batching saves (``bench/gathers.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from runtime.dlo import DLOHandle, apply_dlo
 from runtime.models.tiny import KilnTiny, TinyConfig, build_tiny
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
 from runtime.platform import default_device
+from runtime.sequence import SequenceParallel
 from runtime.tiling import map_tiles, plan_tiles
 
 
@@ -25,11 +29,11 @@ def flow_sigmas(num_inference_steps: int, shift: float) -> torch.Tensor:
 
 
 class TinyPipeline(VideoPipeline):
-    forwards_per_step = 2
-
     def __init__(self, model: KilnTiny, handle: DLOHandle | None, *, flow_shift: float = 3.0,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", cfg_batch: bool = True) -> None:
         super().__init__([handle])
+        self.cfg_batch = cfg_batch  # the CFG pair as one batch-2 forward, else two batch-1
+        self.forwards_per_step = 1 if cfg_batch else 2
         self.model = model
         self.cfg: TinyConfig = model.cfg
         self.flow_shift = flow_shift
@@ -40,9 +44,15 @@ class TinyPipeline(VideoPipeline):
 
     @classmethod
     def load(cls, *, cfg: TinyConfig | None = None, group: Any = None, use_allgather: bool = True,
-             device: torch.device | str | None = None, offload: bool = True) -> TinyPipeline:
-        """kiln-tiny with its transformer blocks streamed by DLO (``offload=False``: resident)."""
+             device: torch.device | str | None = None, offload: bool = True,
+             cfg_batch: bool = True, sequence: SequenceParallel | None = None) -> TinyPipeline:
+        """kiln-tiny with its transformer blocks streamed by DLO (``offload=False``: resident);
+        ``cfg_batch``: see the module docstring; ``sequence``: the replica's split of the token
+        sequence (``runtime.sequence``), None when one rank renders a job alone."""
         model = build_tiny(cfg)
+        if sequence is not None:
+            sequence.check_heads(model.cfg.num_heads, "kiln-tiny")
+            model.transformer.sequence_parallel = sequence
         handle = None
         if offload:
             handle = apply_dlo(model.transformer, group=group, use_allgather=use_allgather,
@@ -51,7 +61,7 @@ class TinyPipeline(VideoPipeline):
         dev = torch.device(device) if device is not None else default_device()
         model.text_encoder.to(dev)
         model.decoder.to(dev)
-        return cls(model, handle, device=dev)
+        return cls(model, handle, device=dev, cfg_batch=cfg_batch)
 
     @torch.no_grad()
     def prepare(self, request: VideoRequest) -> DenoiseState:
@@ -68,7 +78,7 @@ class TinyPipeline(VideoPipeline):
             request=request,
             latents=noise.to(self.device),
             num_inference_steps=request.num_inference_steps,
-            extra={"cond": text[:1], "uncond": text[1:],
+            extra={"text": text, "cond": text[:1], "uncond": text[1:],
                    "sigmas": flow_sigmas(request.num_inference_steps, self.flow_shift)},
         )
 
@@ -78,11 +88,17 @@ class TinyPipeline(VideoPipeline):
         sigma, sigma_next = state.extra["sigmas"][i], state.extra["sigmas"][i + 1]
         x = state.latents
         t = torch.full((1,), float(sigma) * 1000.0, device=self.device)
-        velocity = self.model.transformer(x, t, state.extra["cond"])
         g = state.request.guidance_scale
-        if g > 1.0:
-            uncond = self.model.transformer(x, t, state.extra["uncond"])
+        if g > 1.0 and self.cfg_batch:
+            # [cond, uncond] on the batch axis: each block computes both while it is in its slot.
+            velocity, uncond = self.model.transformer(
+                torch.cat([x, x]), t.expand(2), state.extra["text"]).chunk(2)
             velocity = uncond + g * (velocity - uncond)
+        else:
+            velocity = self.model.transformer(x, t, state.extra["cond"])
+            if g > 1.0:
+                uncond = self.model.transformer(x, t, state.extra["uncond"])
+                velocity = uncond + g * (velocity - uncond)
         state.latents = x + (sigma_next - sigma) * velocity
 
     @torch.no_grad()

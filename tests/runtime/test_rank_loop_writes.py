@@ -23,17 +23,22 @@ STEPS = 2
 class CountingPipe:
     """Two steps a job, frames of zeros; counts the jobs it prepared (renders)."""
 
+    handles: list[Any] = []  # no streamed transformer
+
     def __init__(self) -> None:
         self.prepared: list[str] = []
+
+    def handles_needed(self, state: DenoiseState) -> list[bool]:
+        return []
 
     def prepare(self, request: VideoRequest) -> DenoiseState:
         self.prepared.append(request.prompt)
         return DenoiseState(request=request, latents=torch.zeros(1), num_inference_steps=STEPS)
 
-    def step(self, state: DenoiseState) -> None:
+    def step(self, state: DenoiseState, active: Any = None) -> None:
         state.step_index += 1
 
-    def idle_step(self) -> None:
+    def idle_step(self, active: Any = None) -> None:
         pass
 
     def decode(self, state: DenoiseState) -> torch.Tensor:

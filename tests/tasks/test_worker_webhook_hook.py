@@ -14,6 +14,7 @@ from kiln import tasks
 from kiln.tasks import Context
 from kiln.worker import Coordinator, WorkerConfig
 from runtime.rank_loop import RankStatus
+from runtime.sequence import Layout
 from storage import lifecycle
 from storage.outputs import video_key
 from storage.tables import Job
@@ -31,7 +32,7 @@ def test_finishing_a_job_with_a_webhook_enqueues_its_delivery_and_others_enqueue
             assert claim is not None
             tokens[job_id] = claim.attempt_token
     tasks.configure(settings)
-    coordinator = Coordinator(settings, WorkerConfig(), 1, "allgather", "cpu")
+    coordinator = Coordinator(settings, WorkerConfig(), Layout(), "allgather", "cpu")
     try:
         coordinator.record([
             RankStatus(rank=0, job_id=job_id, attempt_token=tokens[job_id], step=4,
