@@ -34,6 +34,7 @@ from redis import Redis, RedisError
 from sqlalchemy.orm import Session
 
 from common.settings import Settings
+from runtime.budget import AUTO, DeviceBudget
 from runtime.launch import (
     RankContext,
     RankFailure,
@@ -86,6 +87,8 @@ STOP_GRACE_SECONDS = 10.0
 class WorkerConfig:
     dp: int = 1  # replicas, each rendering its own job
     sp: int = 1  # ranks per replica, splitting its job's token sequence
+    # Device memory for resident blocks: "auto", None (stream all) or bytes (runtime.budget).
+    device_budget: DeviceBudget = AUTO
     model: str = "kiln-tiny"
     device: str = "cpu"  # cpu | cuda | npu
     use_allgather: bool = True
@@ -342,7 +345,7 @@ class Coordinator:
             claims = claim_for_group(
                 session, self.redis, prefix=self.settings.redis_prefix, group_id=self.group_id,
                 model=self.config.model, free_ranks=free, running=running,
-                lease_seconds=self.settings.lease_seconds)
+                lease_seconds=self.settings.lease_seconds, sp=self.layout.sp)
         tickets = {}
         for rank, claim in claims:
             job = claim.job
@@ -445,7 +448,8 @@ class Coordinator:
 
     def _learn_cost(self, session: Session, st: RankStatus) -> None:
         """Teach the batcher this job's real cost (its rank's own step time, not lock-step
-        wall time, which includes waiting for slower ranks)."""
+        wall time, which includes waiting for slower ranks), at this group's layout: a step
+        split over sp ranks costs otherwise than one on a single rank."""
         job = session.get(Job, st.job_id)
         if job is None:
             return
@@ -453,7 +457,7 @@ class Coordinator:
             record_result(self.redis, prefix=self.settings.redis_prefix, job_id=job.id,
                           model=job.model, num_tokens=job_tokens(job),
                           num_steps=st.num_inference_steps,
-                          render_seconds=st.compute_seconds)
+                          render_seconds=st.compute_seconds, sp=self.layout.sp)
         except RedisError:
             log.warning("could not record the cost of job %s", job.id, exc_info=True)
 
@@ -568,7 +572,9 @@ def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> No
     layout = Layout(dp=ctx.world // config.sp, sp=config.sp)
     pipe = load_pipeline(config.model, device=platform.device,
                          use_allgather=config.use_allgather,
-                         sequence=open_sequence(layout, platform.backend))
+                         sequence=open_sequence(layout, platform.backend),
+                         device_budget=config.device_budget,
+                         max_tokens=settings.max_job_tokens)
     loop = RankLoop(ctx.rank, pipe, store_writer(make_store(settings)), platform,
                     host_memory_every_seconds=config.report_seconds, layout=layout)
     coordinator = None

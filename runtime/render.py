@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from common.families import TINY, TINY_MODEL, family_of
+from runtime.budget import AUTO, DeviceBudget
 from runtime.launch import RankContext, run_ranks
 from runtime.pipelines.base import VideoPipeline, VideoRequest, agree_handles
 from runtime.pipelines.tiny import TinyPipeline
@@ -45,14 +46,18 @@ class RankReport:
 
 
 def load_pipeline(model: str, *, group: Any = None, device: Any = None,
-                  use_allgather: bool = True,
-                  sequence: SequenceParallel | None = None) -> VideoPipeline:
+                  use_allgather: bool = True, sequence: SequenceParallel | None = None,
+                  device_budget: DeviceBudget = AUTO,
+                  max_tokens: int | None = None) -> VideoPipeline:
     """``kiln-tiny`` or a local diffusers-format model directory, transformer under DLO, in the
     pipeline of its family (``common.families``); ``sequence``: this rank's replica split
-    (``runtime.sequence.open_sequence``)."""
+    (``runtime.sequence.open_sequence``); ``device_budget``: device memory for resident blocks
+    (``runtime.budget``), with activations reserved for the largest job the deployment admits
+    (``max_tokens``; default: the family's most)."""
     if family_of(model) is TINY:
         return TinyPipeline.load(group=group, device=device, use_allgather=use_allgather,
-                                 sequence=sequence)
+                                 sequence=sequence, device_budget=device_budget,
+                                 max_tokens=max_tokens or TINY.max_tokens)
     path = Path(model)
     if not (path / "model_index.json").is_file():
         raise ValueError(f"--model must be {TINY_MODEL!r} or a diffusers model directory (with a "
@@ -62,7 +67,8 @@ def load_pipeline(model: str, *, group: Any = None, device: Any = None,
 
     # The loop its family names, or a ValueError saying which pipelines kiln drives.
     return DiffusersVideoPipeline.load(path, group=group, device=device,
-                                       use_allgather=use_allgather, sequence=sequence)
+                                       use_allgather=use_allgather, sequence=sequence,
+                                       device_budget=device_budget, max_tokens=max_tokens)
 
 
 def output_path(out: str | os.PathLike[str], index: int) -> Path:
@@ -143,16 +149,17 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
                       pss_bytes=pss, private_bytes=private, dlo=dlo)
 
 
-def _load_on_rank(model: str, use_allgather: bool, layout: Layout) -> VideoPipeline:
+def _load_on_rank(model: str, use_allgather: bool, layout: Layout,
+                  device_budget: DeviceBudget = AUTO) -> VideoPipeline:
     # gloo ranks; every rank opens the replicas' groups in step, before DLO opens its own.
     return load_pipeline(model, device="cpu", use_allgather=use_allgather,
-                         sequence=open_sequence(layout, "gloo"))
+                         sequence=open_sequence(layout, "gloo"), device_budget=device_budget)
 
 
 def _render_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest], out: str,
-                    use_allgather: bool, layout: Layout) -> RankReport:
+                    use_allgather: bool, layout: Layout, device_budget: DeviceBudget) -> RankReport:
     started = time.perf_counter()
-    pipe = _load_on_rank(model, use_allgather, layout)
+    pipe = _load_on_rank(model, use_allgather, layout, device_budget)
     try:
         step_cb = ((lambda i, n: ctx.messages.put(("step", ctx.rank, i, n)))
                    if ctx.rank == 0 else None)
@@ -205,6 +212,7 @@ def generate_in_rounds(model: str, requests: list[VideoRequest], dp: int, *,
 
 def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str], *,
            dp: int = 1, sp: int = 1, use_allgather: bool = True,
+           device_budget: DeviceBudget = AUTO,
            on_step: Callable[[int, int], None] | None = None,
            on_sample: Callable[[int], None] | None = None,
            timeout_s: float = 3600.0) -> list[RankReport]:
@@ -218,7 +226,7 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
                          f"replica), got dp={dp}")
     out = str(out)
     if layout.world == 1:
-        pipe = load_pipeline(model, use_allgather=use_allgather)
+        pipe = load_pipeline(model, use_allgather=use_allgather, device_budget=device_budget)
         try:
             return [render_rank(pipe, 0, requests, out, on_step)]
         finally:
@@ -229,4 +237,4 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
             on_step(*payload)
 
     return run_ranks(layout.world, _render_on_rank, model, requests, out, use_allgather, layout,
-                     on_message=on_message, on_sample=on_sample, timeout_s=timeout_s)
+                     device_budget, on_message=on_message, on_sample=on_sample, timeout_s=timeout_s)

@@ -13,6 +13,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+from kiln.cli.options import DeviceBudgetOption, device_budget
+
 app = typer.Typer()
 
 
@@ -49,6 +51,7 @@ def render(
              "(sequence parallelism); dp x sp CPU ranks in all.")] = 1,
     rank_local: Annotated[bool, typer.Option(
         help="Each rank streams whole blocks instead of sharding them.")] = False,
+    budget: DeviceBudgetOption = "auto",
 ) -> None:
     """Render videos with DLO, without the service, and write MP4 + PNG thumbnail."""
     # Here, not at the top: torch and the model code load only for the commands that render.
@@ -77,6 +80,7 @@ def render(
         try:
             reports = run_render(model, requests, out, dp=dp, sp=sp,
                                  use_allgather=not rank_local,
+                                 device_budget=device_budget(budget),
                                  on_step=on_step, on_sample=pss_samples.append)
         except ValueError as exc:
             console.print(f"[red]error:[/red] {exc}")

@@ -30,7 +30,7 @@ import typer
 
 from common.procs import die_with_parent, free_port
 from common.settings import Settings
-from kiln.cli.options import Device, Model
+from kiln.cli.options import Device, DeviceBudgetOption, Model, device_budget
 
 app = typer.Typer()
 
@@ -353,6 +353,7 @@ def up(
         help="Replicas in the worker group, each rendering its own job.")] = 2,
     sp: Annotated[int, typer.Option(
         help="Ranks per replica, splitting its job's token sequence.")] = 1,
+    budget: DeviceBudgetOption = "auto",
     model: Model = "kiln-tiny",
     device: Device = "cpu",
     celery: Annotated[bool, typer.Option(help="Also run the Celery side work.")] = True,
@@ -361,6 +362,9 @@ def up(
                                 "worker's ranks) here instead of in <data dir>/logs/.")] = False,
 ) -> None:
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""
+    device_budget(budget)  # a bad value is refused before anything starts
+    if dp < 1 or sp < 1:
+        raise typer.BadParameter(f"--dp and --sp must be >= 1, got dp={dp}, sp={sp}")
     # Here, not at the top: Alembic and SQLAlchemy load only for `kiln up`.
     import migrations
     from storage.db import make_engine, make_session_factory
@@ -416,7 +420,7 @@ def up(
         api.wait_until(lambda: _http_ok(f"{api_url}/healthz"), "the API")
         supervisor.start(Child(
             "worker", [_KILN, "worker", "--dp", str(dp), "--sp", str(sp), "--model", model,
-                       "--device", device],
+                       "--device", device, "--device-budget", budget],
             env, log("worker")))
         if celery:
             supervisor.start(Child("celery", [_KILN, "celery"], env, log("celery")))

@@ -36,11 +36,12 @@ import transformers.utils.logging as tlog
 from diffusers import CogVideoXDPMScheduler
 
 from common.families import COGVIDEOX, FAMILIES, WAN, Family, family_of
+from runtime.budget import AUTO, DeviceBudget, activation_bytes, resolve_budget
 from runtime.dlo import DLOHandle, apply_dlo
 from runtime.models.loading import build_on_meta
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
 from runtime.pipelines.wan_sequence import enable_sequence_parallel
-from runtime.platform import default_device
+from runtime.platform import default_device, get_platform
 from runtime.sequence import SequenceParallel
 from runtime.tiling import map_tiles, plan_tiles
 
@@ -75,10 +76,13 @@ class DiffusersVideoPipeline(VideoPipeline):
     @staticmethod
     def load(model_dir: str | Path, *, group: Any = None, device: Any = None,
              use_allgather: bool = True, cfg_batch: bool = True,
-             sequence: SequenceParallel | None = None) -> DiffusersVideoPipeline:
+             sequence: SequenceParallel | None = None, device_budget: DeviceBudget = AUTO,
+             max_tokens: int | None = None) -> DiffusersVideoPipeline:
         """The loop of the model's family (``common.families.family_of``) around its components;
         ``cfg_batch=False``: Wan's CFG pair as two batch-1 forwards (CogVideoX refuses it);
-        ``sequence``: the replica's split of the token sequence (Wan; ``runtime.sequence``)."""
+        ``sequence``: the replica's split of the token sequence (Wan; ``runtime.sequence``);
+        ``device_budget``: device memory for resident blocks (``runtime.budget``), with
+        activations reserved for a job of ``max_tokens`` tokens (default: the family's most)."""
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
         name = index.get("_class_name", "")
@@ -97,15 +101,18 @@ class DiffusersVideoPipeline(VideoPipeline):
         dev = torch.device(device) if device is not None else default_device()
         transformers: dict[str, Any] = {}
         handles: list[DLOHandle | None] = []
-        for tname in TRANSFORMER_NAMES:
-            spec = index.get(tname)
-            if not spec or spec[0] is None or not (model_dir / tname).is_dir():
-                continue
+        names = [t for t in TRANSFORMER_NAMES if (spec := index.get(t)) and spec[0] is not None
+                 and (model_dir / t).is_dir()]
+        tokens = max_tokens or family_of(str(model_dir)).max_tokens
+        for tname in names:
             model = build_on_meta(model_dir / tname)
             # dtype before DLO swaps the block parameters for placeholders.
             model._kiln_dtype = next(model.parameters()).dtype
+            budget = resolve_budget(device_budget, get_platform(dev), parts=len(names),
+                                    activations=_activations(model, model_dir, tokens, sequence))
             handles.append(apply_dlo(model, checkpoint=model_dir / tname, group=group,
-                                     use_allgather=use_allgather, device=dev))
+                                     use_allgather=use_allgather, device=dev,
+                                     device_budget_bytes=budget))
             if sequence is not None:
                 enable_sequence_parallel(model, sequence)
             transformers[tname] = model
@@ -171,6 +178,22 @@ class DiffusersVideoPipeline(VideoPipeline):
         # A CPU generator, as the reference pipelines take: the same seed gives the same noise
         # whatever device renders.
         return torch.Generator("cpu").manual_seed(seed)
+
+
+def _activations(model: Any, model_dir: Path, tokens: int,
+                 sequence: SequenceParallel | None) -> int:
+    """What a rank keeps free of resident blocks: a block's activations on this rank's share of
+    the largest admitted job, and the components placed after the transformers (the VAE and
+    the text encoder, counted whole: its blocks stream, but a conservative budget only streams
+    a little more)."""
+    c = model.config
+    width = getattr(c, "num_attention_heads", 1) * getattr(c, "attention_head_dim", 1)
+    ffn = getattr(c, "ffn_dim", None) or 4 * width
+    shard = -(-tokens // (sequence.degree if sequence is not None else 1))
+    others = sum(f.stat().st_size for part in ("vae", "text_encoder")
+                 for f in (model_dir / part).glob("*.safetensors"))
+    dtype_bytes = torch.empty((), dtype=model._kiln_dtype).element_size()
+    return activation_bytes(shard, width, ffn, dtype_bytes) + others
 
 
 @contextlib.contextmanager

@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
+from common.families import TINY
+from runtime.budget import AUTO, DeviceBudget, activation_bytes, resolve_budget
 from runtime.dlo import DLOHandle, apply_dlo
 from runtime.models.tiny import KilnTiny, TinyConfig, build_tiny
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
-from runtime.platform import default_device
+from runtime.platform import default_device, get_platform
 from runtime.sequence import SequenceParallel
 from runtime.tiling import map_tiles, plan_tiles
 
@@ -45,22 +47,30 @@ class TinyPipeline(VideoPipeline):
     @classmethod
     def load(cls, *, cfg: TinyConfig | None = None, group: Any = None, use_allgather: bool = True,
              device: torch.device | str | None = None, offload: bool = True,
-             cfg_batch: bool = True, sequence: SequenceParallel | None = None) -> TinyPipeline:
+             cfg_batch: bool = True, sequence: SequenceParallel | None = None,
+             device_budget: DeviceBudget = AUTO,
+             max_tokens: int = TINY.max_tokens) -> TinyPipeline:
         """kiln-tiny with its transformer blocks streamed by DLO (``offload=False``: resident);
         ``cfg_batch``: see the module docstring; ``sequence``: the replica's split of the token
-        sequence (``runtime.sequence``), None when one rank renders a job alone."""
+        sequence (``runtime.sequence``), None when one rank renders a job alone;
+        ``device_budget``: device memory for resident blocks (``runtime.budget``), with
+        activations reserved for a job of ``max_tokens`` tokens."""
         model = build_tiny(cfg)
         if sequence is not None:
             sequence.check_heads(model.cfg.num_heads, "kiln-tiny")
             model.transformer.sequence_parallel = sequence
-        handle = None
-        if offload:
-            handle = apply_dlo(model.transformer, group=group, use_allgather=use_allgather,
-                               device=device)
-        # The engine's default device too, so every component lands on the same one.
+        # The engine's default device too, so every component lands on the same one; they go
+        # first, so what is free afterwards is what blocks may use.
         dev = torch.device(device) if device is not None else default_device()
         model.text_encoder.to(dev)
         model.decoder.to(dev)
+        handle = None
+        if offload:
+            shard = -(-max_tokens // (sequence.degree if sequence is not None else 1))
+            budget = resolve_budget(device_budget, get_platform(dev), activations=activation_bytes(
+                shard, model.cfg.dim, model.cfg.ffn_dim, dtype_bytes=4))
+            handle = apply_dlo(model.transformer, group=group, use_allgather=use_allgather,
+                               device=device, device_budget_bytes=budget)
         return cls(model, handle, device=dev, cfg_batch=cfg_batch)
 
     @torch.no_grad()
