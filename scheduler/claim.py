@@ -11,7 +11,8 @@ on the way, with the reason (`storage.lifecycle.expire`). Every job chosen leave
 whatever the outcome of its claim.
 
 Besides `scheduler.queue_index`'s keys this module keeps ``P + "sched:cost"``, the learned
-`CostModel` as JSON, and charges each started job to its user (``P sched:served:{class}``) until
+`CostModel` as JSON (the fits of every layout: a group reads and teaches those of its own
+``sp``), and charges each started job to its user (``P sched:served:{class}``) until
 `record_result` replaces the estimate by the real render seconds.
 """
 
@@ -61,9 +62,10 @@ def running_job(job: Job, *, rank: int, steps_done: int,
                       steps_left=max(0, job.num_inference_steps - steps_done))
 
 
-def load_costs(redis: Redis, prefix: str) -> CostModel:
+def load_costs(redis: Redis, prefix: str, sp: int = 1) -> CostModel:
+    """The learned costs, as replicas of ``sp`` ranks pay them."""
     raw = redis.get(cost_key(prefix))
-    return CostModel.from_state(json.loads(raw)) if raw else CostModel()
+    return CostModel.from_state(json.loads(raw), sp=sp) if raw else CostModel(sp=sp)
 
 
 def claim_for_group(
@@ -78,6 +80,7 @@ def claim_for_group(
     lease_seconds: float,
     now: datetime | None = None,
     config: PolicyConfig | None = None,
+    sp: int = 1,
 ) -> list[tuple[int, Claim]]:
     """Pick up to len(free_ranks) compatible queued jobs for this group's free ranks and claim
     each atomically (storage.lifecycle.claim_job); returns (rank, Claim) pairs, by rank. Jobs whose
@@ -85,7 +88,8 @@ def claim_for_group(
     claimed.
 
     ``running``: what the group's other ranks are still rendering; a ``cost_per_step`` of 0 is
-    replaced by the estimate recorded when that job was claimed here."""
+    replaced by the estimate recorded when that job was claimed here. ``sp``: the group's ranks
+    per replica; its steps are estimated from the costs learned at that layout."""
     now = now or utcnow()
     config = config or PolicyConfig()
     ranks = sorted(set(free_ranks))
@@ -105,7 +109,7 @@ def claim_for_group(
         queue_index.load_scripts(redis)
     if not built:
         queue_index.ensure_built(session, redis, prefix)
-    costs = CostModel.from_state(json.loads(raw_costs)) if raw_costs else CostModel()
+    costs = CostModel.from_state(json.loads(raw_costs), sp=sp) if raw_costs else CostModel(sp=sp)
     claimed: dict[int, Claim] = {}
     busy = _with_costs(running, dict(zip(unknown, charges, strict=False)))
     try:
@@ -211,11 +215,12 @@ def _settle_now(redis: Redis, prefix: str, started: Sequence[QueuedJob],
 
 
 def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tokens: int,
-                  num_steps: int, render_seconds: float) -> None:
+                  num_steps: int, render_seconds: float, sp: int = 1) -> None:
     """A finished attempt's real cost: teaches the cost model seconds per step for its size and
     replaces the estimate its user was charged by the real render seconds. Pass the rank's own
     compute time for the steps where it is measured: a lock-step group's wall time includes
-    waiting for the slowest rank."""
+    waiting for the slowest rank. ``sp``: the ranks per replica it rendered on; the fit of that
+    layout learns from it."""
     result = JobResult(job_id=job_id, model=model, num_tokens=num_tokens, num_steps=num_steps,
                        render_seconds=render_seconds)
     raw = redis.getdel(queue_index.charge_key(prefix, job_id))
@@ -232,7 +237,8 @@ def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tok
             try:
                 pipe.watch(key)
                 raw_cost = pipe.get(key)
-                costs = CostModel.from_state(json.loads(raw_cost)) if raw_cost else CostModel()
+                costs = (CostModel.from_state(json.loads(raw_cost), sp=sp) if raw_cost
+                         else CostModel(sp=sp))
                 costs.observe(model, num_tokens, render_seconds / num_steps)
                 pipe.multi()
                 pipe.set(key, json.dumps(costs.to_state()))

@@ -16,6 +16,10 @@ Tokens are a proxy; seconds are what the lock-step pays. `CostModel` fits, per m
 finished jobs (`observe`), and answers `step_seconds` for a job not yet run. Until a model has
 history it assumes ``DEFAULT_SECONDS_PER_TOKEN`` and no overhead, which keeps the ordering of
 jobs by tokens, all that grouping needs on day one.
+
+A step split over the ``sp`` ranks of a replica (`runtime.sequence.Layout`) costs otherwise
+than one on a single rank, so the fits are kept per model and layout (`cost_key_for`). A
+`CostModel` reads and writes the fits of one layout, its ``sp``; its state holds them all.
 """
 
 from __future__ import annotations
@@ -25,13 +29,19 @@ from dataclasses import asdict, dataclass, field
 
 from common.families import tokens
 
-__all__ = ["DEFAULT_DECAY", "DEFAULT_SECONDS_PER_TOKEN", "CostModel", "tokens"]
+__all__ = ["DEFAULT_DECAY", "DEFAULT_SECONDS_PER_TOKEN", "CostModel", "cost_key_for", "tokens"]
 
 # A guess used until a model has history; only the ratio between jobs matters then.
 DEFAULT_SECONDS_PER_TOKEN = 1e-5
 # Each finished job weighs this much less than the one after it: the fit follows the hardware
 # (a driver upgrade, another model revision) within a few hundred jobs.
 DEFAULT_DECAY = 0.99
+
+
+def cost_key_for(model: str, sp: int = 1) -> str:
+    """The fit's key for ``model`` rendered by replicas of ``sp`` ranks: the model's name at
+    sp=1, ``model@sp{sp}`` otherwise."""
+    return model if sp == 1 else f"{model}@sp{sp}"
 
 
 @dataclass(slots=True)
@@ -70,19 +80,22 @@ class _Fit:
 
 @dataclass(slots=True)
 class CostModel:
-    """Seconds per denoising step, per model, learned from finished jobs."""
+    """Seconds per denoising step, per model, learned from finished jobs, for replicas of
+    ``sp`` ranks (the fits of other layouts ride along in the state, untouched)."""
 
     decay: float = DEFAULT_DECAY
     default_seconds_per_token: float = DEFAULT_SECONDS_PER_TOKEN
-    _fits: dict[str, _Fit] = field(default_factory=dict)
+    sp: int = 1
+    _fits: dict[str, _Fit] = field(default_factory=dict)  # cost_key_for(model, sp) -> fit
 
     def observe(self, model: str, num_tokens: int, seconds_per_step: float) -> None:
         if num_tokens <= 0 or not math.isfinite(seconds_per_step) or seconds_per_step <= 0:
             return  # a cancelled or broken run says nothing about cost
-        self._fits.setdefault(model, _Fit()).add(float(num_tokens), seconds_per_step, self.decay)
+        key = cost_key_for(model, self.sp)
+        self._fits.setdefault(key, _Fit()).add(float(num_tokens), seconds_per_step, self.decay)
 
     def step_seconds(self, model: str, num_tokens: int) -> float:
-        fit = self._fits.get(model)
+        fit = self._fits.get(cost_key_for(model, self.sp))
         line = fit.line() if fit is not None else None
         if line is None:
             return self.default_seconds_per_token * num_tokens
@@ -90,11 +103,13 @@ class CostModel:
         return a + b * num_tokens
 
     def to_state(self) -> dict[str, dict[str, float]]:
-        """Plain numbers per model, for storing between processes (see `from_state`)."""
+        """Plain numbers per model and layout, for storing between processes (see
+        `from_state`)."""
         return {m: asdict(f) for m, f in self._fits.items()}
 
     @classmethod
     def from_state(cls, state: dict[str, dict[str, float]], **kwargs: float) -> CostModel:
+        """The model a `to_state` stored; ``kwargs`` are the fields (``sp``: the layout read)."""
         model = cls(**kwargs)
         model._fits = {m: _Fit(**{k: float(v) for k, v in f.items()}) for m, f in state.items()}
         return model

@@ -157,31 +157,32 @@ def serving_api(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path, *
 
 @contextlib.contextmanager
 def running_service(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path, *,
-                    users: Sequence[str] = ("alice", "bob"), dp: int = 2,
+                    users: Sequence[str] = ("alice", "bob"), dp: int = 2, sp: int = 1,
                     **overrides: Any) -> Iterator[Service]:
-    """The API (``serving_api``) and a real ``kiln worker --dp N`` process group
+    """The API (``serving_api``) and a real ``kiln worker --dp N --sp M`` process group
     (``worker_group``) on the test's database and Redis prefix; yields once the worker group has
     reported ready. ``overrides`` (scalar ``Settings`` fields) go to both."""
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=users,
-                     **overrides) as service, worker_group(service, dp=dp, **overrides):
+                     **overrides) as service, worker_group(service, dp=dp, sp=sp, **overrides):
         yield service
 
 
 @contextlib.contextmanager
-def worker_group(service: Service, *, dp: int = 2, args: Sequence[str] = (),
+def worker_group(service: Service, *, dp: int = 2, sp: int = 1, args: Sequence[str] = (),
                  **overrides: Any) -> Iterator[subprocess.Popen[bytes]]:
-    """A real ``kiln worker --dp N`` in a process group of its own (the launcher is its leader)
-    on ``service``'s database, Redis prefix and outputs; ``overrides`` (scalar ``Settings``
-    fields) reach it as ``KILN_*`` variables; ``args`` are more ``kiln worker`` options. Yields
-    the launcher once a group that was not there before has reported ready; leaving stops the
-    group gracefully, unless the test has killed it already."""
+    """A real ``kiln worker --dp N --sp M`` (N replicas of M ranks) in a process group of its
+    own (the launcher is its leader) on ``service``'s database, Redis prefix and outputs;
+    ``overrides`` (scalar ``Settings`` fields) reach it as ``KILN_*`` variables; ``args`` are
+    more ``kiln worker`` options. Yields the launcher once a group that was not there before
+    has reported ready; leaving stops the group gracefully, unless the test has killed it
+    already."""
     s = service.settings
     env = {"KILN_DATABASE_URL": s.database_url, "REDIS_URL": s.redis_url or REDIS_URL,
            "KILN_REDIS_PREFIX": s.redis_prefix, "KILN_OUTPUT_DIR": str(s.output_dir),
            **{f"KILN_{name.upper()}": str(value) for name, value in overrides.items()}}
     key = next(iter(service.keys.values()))
     before = {g["id"] for g in _groups(service.url, key)}
-    worker = subprocess.Popen([KILN, "worker", "--dp", str(dp), *args],
+    worker = subprocess.Popen([KILN, "worker", "--dp", str(dp), "--sp", str(sp), *args],
                               env={**os.environ, **env},
                               start_new_session=True)
     try:
