@@ -30,6 +30,7 @@ lint: install
 bench: install
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/coldstart.py
+	$(BIN)/python bench/layouts.py
 
 # The reliability soak (not part of `make test`): about 11 minutes on 2 cores; needs PostgreSQL
 # on 127.0.0.1:5432 and redis-server on PATH (it starts a private one).

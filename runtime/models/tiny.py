@@ -242,8 +242,11 @@ class TinyTransformer(nn.Module):
         # [B, C, F, H, W] -> [B, F*hp*wp, C*p*p]: one token per p x p patch of a latent frame.
         tokens = x_BCFHW.reshape(b, c, f, hp, p, wp, p).permute(0, 2, 3, 5, 1, 4, 6)
         x_BLD = self.patch_embed(tokens.reshape(b, f * hp * wp, c * p * p))
-        x_BLD = x_BLD + positions_3d(f, hp, wp, d).to(x_BLD.dtype)
-        temb_BD = self.time_embed(sinusoid(timestep_B, self.cfg.freq_dim).to(x_BLD.dtype))
+        # The sinusoidal tables are computed on the CPU (in float64) and moved: the same bits on
+        # every device.
+        x_BLD = x_BLD + positions_3d(f, hp, wp, d).to(x_BLD.device, x_BLD.dtype)
+        temb_BD = self.time_embed(sinusoid(timestep_B.cpu(), self.cfg.freq_dim).to(
+            x_BLD.device, x_BLD.dtype))
         mod_B6D = self.time_proj(temb_BD).unflatten(1, (6, d))
         sp, length = self.sequence_parallel, x_BLD.shape[1]
         if sp is None:

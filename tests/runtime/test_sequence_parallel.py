@@ -102,7 +102,8 @@ def _forwards(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[tuple
 # (sp, allgather, latent frames, height, width): tokens = frames x (h/2) x (w/2).
 CASES = {
     2: [(2, True, 3, 8, 8),  # 48 tokens
-        (2, True, 3, 6, 6)],  # 27: not divisible by 2
+        (2, True, 3, 6, 6),  # 27: not divisible by 2
+        (2, False, 3, 6, 6)],  # the same, rank-local
     4: [(4, True, 3, 6, 6),  # 27 over 4
         (2, True, 3, 6, 10),  # dp=2 x sp=2, 45 tokens
         (2, False, 3, 6, 6)],  # dp=2 x sp=2, rank-local
