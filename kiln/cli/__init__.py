@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from kiln.cli import batch, client, render, service, up, worker
+from kiln.cli import batch, client, plan, render, service, up, worker
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kiln: batch video rendering "
                   "with diffusion transformers bigger than one accelerator.")
@@ -17,6 +17,7 @@ app.add_typer(render.app)  # render, make-checkpoint
 app.add_typer(service.app)  # db, keys, api
 app.add_typer(up.app)  # up
 app.add_typer(worker.app)  # worker
+app.add_typer(plan.app)  # plan
 app.add_typer(batch.app, name="batch")  # batch submit, status, report
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""``kiln plan``: which layout of W ranks to run, predicted from a measured profile."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from common.settings import get_settings
+from kiln.cli.options import Model
+
+app = typer.Typer()
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.0f} MB"
+
+
+@app.command()
+def plan(
+    world: Annotated[int, typer.Option(min=1, help="Ranks the group will have (dp x sp).")],
+    model: Model = "kiln-tiny",
+    device: Annotated[str, typer.Option(help="cpu (profiles are measured on CPU ranks; cuda "
+                                             "and npu are not profiled yet).")] = "cpu",
+    job: Annotated[str, typer.Option(help="The job shape to plan for: "
+                                          "WIDTHxHEIGHTxFRAMESxSTEPS.")] = "",
+    remeasure: Annotated[bool, typer.Option(help="Measure the profile again.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Predict host memory, step time, latency and jobs per hour of every layout of --world
+    ranks (dp x sp, allgather and rank-local), from a short profile of this machine and model
+    (cached; measured again when stale), and mark the best for latency and for throughput."""
+    # Here, not at the top: torch and the model code load only for the command that needs them.
+    from common.families import family_of
+    from runtime.planner import Job, heads_of, load_or_measure
+    from runtime.planner import plan as make_plan
+
+    if device != "cpu":
+        raise typer.BadParameter("profiles are measured on CPU ranks today; on an accelerator, "
+                                 "choose with --dp and --sp (bench/cuda_check.py measures one)",
+                                 param_hint="--device")
+    defaults = family_of(model).defaults
+    try:
+        shape = (Job.parse(job) if job else
+                 Job(defaults.width, defaults.height, defaults.num_frames,
+                     defaults.num_inference_steps))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--job") from exc
+    console = Console(stderr=True)
+    with console.status("profiling this machine and model (two CPU ranks)..."):
+        profile, source = load_or_measure(model, get_settings().data_dir, remeasure=remeasure)
+    result = make_plan(profile, world, shape, tokens=shape.tokens(model), heads=heads_of(model))
+    if as_json:
+        typer.echo(json.dumps({
+            "model": model, "world": world, "job": str(shape), "profile": source,
+            "layouts": [asdict(p) for p in result.predictions],
+            "best_latency": result.best_latency.layout,
+            "best_throughput": result.best_throughput.layout, "reasons": result.reasons},
+            indent=2))
+        return
+    typer.echo(f"{model}, {world} ranks, job {shape} ({shape.tokens(model)} tokens); "
+               f"profile: {source}")
+    table = Table()
+    for name in ("layout", "host memory", "device memory/rank", "step", "latency", "jobs/h",
+                 "best for"):
+        table.add_column(name, justify="left" if name in ("layout", "best for") else "right")
+    for p in result.predictions:
+        best = [what for what, b in (("latency", result.best_latency),
+                                     ("throughput", result.best_throughput)) if b is p]
+        table.add_row(p.layout, _gb(p.host_bytes), _gb(p.device_bytes),
+                      f"{p.step_seconds:.3g} s", f"{p.latency_seconds:.3g} s",
+                      f"{p.jobs_per_hour:,.0f}", ", ".join(best))
+    Console(width=120).print(table)
+    typer.echo(f"latency:    {result.best_latency.layout}: {result.reasons['latency']}")
+    typer.echo(f"throughput: {result.best_throughput.layout}: {result.reasons['throughput']}")
