@@ -351,6 +351,10 @@ class WorkerGroupPublic(BaseModel):
     platform: str
     dp_size: int = Field(description="replicas: jobs the group renders at once")
     sp_size: int = Field(description="ranks per replica, splitting one job's token sequence")
+    goal: str | None = Field(
+        default=None, description="latency (takes interactive jobs first) | throughput (batch "
+                                  "jobs first); either takes the other class when its own is "
+                                  "not queued. Null for a group that reported none")
     world_size: int
     replicas: list[ReplicaPublic]
     state: str = Field(description="starting | ready | degraded | stopping | stopped")

@@ -52,7 +52,7 @@ from runtime.sequence import SOLO, Layout, open_sequence
 from scheduler import queue_index
 from scheduler.attempts import Ending, finish_attempt
 from scheduler.claim import claim_for_group, job_tokens, record_result
-from scheduler.policy import RunningJob
+from scheduler.policy import DEFAULT_GOAL, GOAL_PREFERS, RunningJob
 from storage import lifecycle, queries, workers
 from storage.db import make_engine, make_session_factory
 from storage.outages import describe, is_outage
@@ -87,6 +87,9 @@ STOP_GRACE_SECONDS = 10.0
 class WorkerConfig:
     dp: int = 1  # replicas, each rendering its own job
     sp: int = 1  # ranks per replica, splitting its job's token sequence
+    # "latency": interactive jobs first; "throughput": batch jobs first (either takes the other
+    # class when its own is not queued). None: latency.
+    goal: str | None = None
     # Device memory for resident blocks: "auto", None (stream all) or bytes (runtime.budget).
     device_budget: DeviceBudget = AUTO
     model: str = "kiln-tiny"
@@ -108,9 +111,17 @@ class WorkerConfig:
     group_id: str = ""  # given by the launcher to each rank set it starts; new one if empty
     name: str = ""
 
+    def __post_init__(self) -> None:
+        if self.goal is not None and self.goal not in GOAL_PREFERS:
+            raise ValueError(f"goal must be one of {sorted(GOAL_PREFERS)}, got {self.goal!r}")
+
     @property
     def layout(self) -> Layout:
         return Layout(dp=self.dp, sp=self.sp)
+
+    def goal_for(self, layout: Layout) -> str:
+        """The goal the group serves by: the declared one, else interactive jobs first."""
+        return self.goal or DEFAULT_GOAL
 
 
 class LeaseKeeper:
@@ -212,6 +223,7 @@ class Coordinator:
         self.layout = layout
         self.world = layout.world
         self.mode = mode
+        self.goal = config.goal_for(layout)
         self.platform_name = platform_name
         if notify is None:
             # Here, not at the top: Celery (20 MiB a process) loads on rank 0 only, the one
@@ -252,8 +264,8 @@ class Coordinator:
     def start(self, memory: dict[str, Any]) -> None:
         self.report([memory], state="starting")
         self.leases.start()
-        log.info("worker group %s: %d rank(s) (%s), model %s, %s", self.group_id, self.world,
-                 self.layout, self.config.model, self.mode)
+        log.info("worker group %s: %d rank(s) (%s), model %s, %s, goal %s", self.group_id,
+                 self.world, self.layout, self.config.model, self.mode, self.goal)
 
     def stop(self, memory: dict[str, Any], *, failed: bool = False) -> None:
         self.leases.stop()
@@ -345,7 +357,8 @@ class Coordinator:
             claims = claim_for_group(
                 session, self.redis, prefix=self.settings.redis_prefix, group_id=self.group_id,
                 model=self.config.model, free_ranks=free, running=running,
-                lease_seconds=self.settings.lease_seconds, sp=self.layout.sp)
+                lease_seconds=self.settings.lease_seconds, sp=self.layout.sp,
+                prefer=GOAL_PREFERS[self.goal])
         tickets = {}
         for rank, claim in claims:
             job = claim.job
@@ -474,7 +487,8 @@ class Coordinator:
                              host=self.host, model=self.config.model,
                              mode="allgather" if self.mode == "allgather" else "rank_local",
                              platform=self.platform_name, dp_size=self.layout.dp,
-                             world_size=self.world, state=state, reason=reason, ranks=ranks)
+                             world_size=self.world, goal=self.goal, state=state, reason=reason,
+                             ranks=ranks)
         with self.sessions() as session:
             try:
                 self._report(session, report)

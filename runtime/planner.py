@@ -49,7 +49,7 @@ from runtime.pipelines.base import VideoRequest, agree_handles
 from runtime.render import load_pipeline, memory_figures
 from runtime.sequence import Layout, open_sequence
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 STALE_AFTER_DAYS = 30
 MODES = ("allgather", "rank-local")
 
@@ -154,14 +154,11 @@ def measure_layout(model: str, layout: Layout, mode: str, job: Job, *, steps: in
                     host_bytes=sum(r["host"] for r in per_rank), dlo=r0["dlo"])
 
 
-def _collectives_on_rank(ctx: RankContext, nbytes: int, reps: int) -> tuple[float, float]:
-    """Median seconds of an all-gather into ``nbytes`` and of an all-to-all of ``nbytes``, on
-    ranks doing nothing else (the DLO engine's own gather timings include waiting for a peer
-    still computing, which is not the link)."""
-    full = torch.zeros(nbytes // 4, dtype=torch.float32)
-    part = full[: full.numel() // dist.get_world_size()].clone()
-    out = torch.empty_like(full)
-
+def _collectives_on_rank(ctx: RankContext, nbytes: int, reps: int) -> dict[str, float]:
+    """Median seconds of an all-gather into ``nbytes`` and of an all-to-all of ``nbytes``, and
+    of the same with 256 bytes (the fixed cost of one collective), on ranks doing nothing else
+    (the DLO engine's own gather timings include waiting for a peer still computing, which is
+    not the link)."""
     def timed(op: Any) -> float:
         op()  # warm
         times = []
@@ -172,8 +169,15 @@ def _collectives_on_rank(ctx: RankContext, nbytes: int, reps: int) -> tuple[floa
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    return (timed(lambda: dist.all_gather_into_tensor(out, part)),
-            timed(lambda: dist.all_to_all_single(out, full)))
+    out = {}
+    for size, name in ((256, "small"), (nbytes, "large")):
+        full = torch.zeros(size // 4, dtype=torch.float32)
+        part = full[: full.numel() // dist.get_world_size()].clone()
+        result = torch.empty_like(full)
+        out[f"gather_{name}"] = timed(
+            lambda r=result, x=part: dist.all_gather_into_tensor(r, x))
+        out[f"a2a_{name}"] = timed(lambda r=result, x=full: dist.all_to_all_single(r, x))
+    return out
 
 
 def _crowded_on_rank(ctx: RankContext, iters: int) -> float:
@@ -216,8 +220,10 @@ class Profile:
     width_tokens: tuple[int, int]  # the two token counts measured
     block_seconds: tuple[float, float]  # a + b * tokens: one block forward, one thread
     gather_seconds_per_byte: float  # allgather: per byte a rank receives
+    gather_latency_seconds: float  # the fixed cost of one all-gather
     copy_seconds_per_byte: float  # rank-local: per byte of a block copied whole
     all_to_all_seconds_per_byte: float  # per byte a rank sends to the others
+    all_to_all_latency_seconds: float  # the fixed cost of one all-to-all
     activation_bytes_per_token: int  # the bytes one token's activations move in an all-to-all
     prepare_seconds: float
     decode_seconds: float  # at the profile's job shape; scaled by pixels for others
@@ -236,6 +242,8 @@ class Profile:
     @classmethod
     def from_json(cls, text: str) -> Profile:
         raw = json.loads(text)
+        if raw.get("version") != PROFILE_VERSION:
+            raise ValueError("it was measured by another version of the planner")
         raw["width_tokens"] = tuple(raw["width_tokens"])
         raw["block_seconds"] = tuple(raw["block_seconds"])
         return cls(**raw)
@@ -329,7 +337,11 @@ def measure_profile(model: str, *, jobs: tuple[Job, Job] | None = None,
     slope = max(0.0, (c_large - c_small) / max(1, tokens[1] - tokens[0]))
     intercept = max(0.0, c_small - slope * tokens[0])
     probe = max(2**20, stats["max_block_bytes"])
-    gather_s, a2a_s = run_ranks(2, _collectives_on_rank, probe, 5, threads=1, timeout_s=300)[0]
+    links = run_ranks(2, _collectives_on_rank, probe, 9, threads=1, timeout_s=300)[0]
+    received = probe / 2  # of each collective, what a rank of two receives
+
+    def rate(kind: str) -> float:
+        return max(0.0, links[f"{kind}_large"] - links[f"{kind}_small"]) / received
     cores = os.cpu_count() or 1
     crowded = run_ranks(2 * cores, _crowded_on_rank, 20, threads=1, timeout_s=300)[0]
     rl = [runs[j, "rank-local"] for j in (small, large)]
@@ -347,8 +359,9 @@ def measure_profile(model: str, *, jobs: tuple[Job, Job] | None = None,
         created_at=time.time(), cores=os.cpu_count() or 1, num_blocks=num_blocks,
         max_block_bytes=stats["max_block_bytes"], block_bytes=block_bytes,
         nonblock_bytes=stats["resident_bytes"], width_tokens=tokens,
-        block_seconds=(intercept, slope), gather_seconds_per_byte=gather_s / (probe / 2),
-        copy_seconds_per_byte=copy, all_to_all_seconds_per_byte=a2a_s / (probe / 2),
+        block_seconds=(intercept, slope), gather_seconds_per_byte=rate("gather"),
+        gather_latency_seconds=links["gather_small"], copy_seconds_per_byte=copy,
+        all_to_all_seconds_per_byte=rate("a2a"), all_to_all_latency_seconds=links["a2a_small"],
         activation_bytes_per_token=per_token, prepare_seconds=ag_large.prepare_seconds,
         decode_seconds=ag_large.decode_seconds,
         decode_pixels=large.width * large.height * large.num_frames,
@@ -365,7 +378,7 @@ def load_or_measure(model: str, data_dir: Path, *, remeasure: bool = False,
         try:
             cached = Profile.from_json(path.read_text())
         except (ValueError, TypeError, KeyError) as exc:
-            why = f"the cached profile could not be read ({exc})"
+            why = f"the cached profile is stale: {exc}"
         else:
             stale = cached.stale_because(model)
             if stale is None:
@@ -414,18 +427,19 @@ def predict(p: Profile, layout: Layout, mode: str, job: Job, *, tokens: int,
     # On the CPU a transfer runs on the cores the compute needs, so it adds to the step rather
     # than hiding behind it: an all-gather costs the bytes a rank receives at the measured rate;
     # a rank-local copy is cheap and already inside the fitted compute.
-    transfer = (per_block * (w - 1) / w * p.gather_seconds_per_byte
+    transfer = (p.gather_latency_seconds + per_block * (w - 1) / w * p.gather_seconds_per_byte
                 if mode == "allgather" and w > 1 else 0.0)
     collectives = (1 if transfer else 0) + (4 if layout.sp > 1 else 0)  # per block
     exchange = 0.0
     if layout.sp > 1:
         sent = shard * p.activation_bytes_per_token * (layout.sp - 1) / layout.sp
-        exchange = 4 * sent * p.all_to_all_seconds_per_byte
+        exchange = 4 * (p.all_to_all_latency_seconds + sent * p.all_to_all_seconds_per_byte)
     # More ranks than cores: every lock-step collective waits for each rank to be scheduled.
     waits = collectives * p.crowded_collective_seconds * (crowding - 1)
     step = p.num_blocks * (compute + exchange + waits) + streamed * transfer
     if layout.sp > 1:  # the shards gathered after the last block
-        step += shard * p.activation_bytes_per_token * p.all_to_all_seconds_per_byte
+        step += (p.gather_latency_seconds
+                 + shard * p.activation_bytes_per_token * p.gather_seconds_per_byte)
     pixels = job.width * job.height * job.num_frames
     overhead = p.prepare_seconds + p.decode_seconds * pixels / max(1, p.decode_pixels)
     latency = job.steps * step + overhead * crowding
@@ -506,16 +520,25 @@ def _why_throughput(best: Prediction, preds: list[Prediction]) -> str:
             f"{moved}")
 
 
-def memory_table(p: Profile, models_gb: list[float], dps: list[int]) -> list[dict[str, float]]:
+# The published technique's extrapolated host memory for allgather DLO (model GB, dp) ->
+# (cgroup-visible peak, total RAM) in GB, on Ascend, whose pinned shards the cgroup does not see.
+PUBLISHED_MEMORY = {(33, 4): (47, 80), (124, 4): (172, 296), (185, 4): (220, 405),
+                    (400, 4): (423, 823), (400, 8): (443, 843)}
+
+
+def memory_table(p: Profile, cases: list[tuple[float, int]] | None = None,
+                 ) -> list[dict[str, float | None]]:
     """Host memory of kiln's allgather mode for other model sizes, from this profile's fitted
-    per-rank constant: cgroup-visible = model (page cache while loading) + dp x constant;
-    total = that + the model again (the pinned shards, which a device's driver may keep out of
-    the cgroup's sight)."""
+    per-rank constant: the ranks hold the weights once between them (each its 1/dp shard; the
+    checkpoint's page cache is dropped as the shards fill) plus a constant per rank, all of it
+    ordinary process memory, so what a memory cgroup sees is the total:
+    ``model + dp x constant``. Beside it, the published technique's estimates."""
     per_rank = p.framework_bytes + p.per_rank_bytes.get("allgather", 0)
-    rows = []
-    for gb in models_gb:
-        for dp in dps:
-            visible = gb * 1e9 + dp * per_rank
-            rows.append({"model_gb": gb, "dp": dp, "per_rank_gb": per_rank / 1e9,
-                         "cgroup_gb": visible / 1e9, "total_gb": (visible + gb * 1e9) / 1e9})
+    rows: list[dict[str, float | None]] = []
+    for gb, dp in cases or list(PUBLISHED_MEMORY):
+        published = PUBLISHED_MEMORY.get((int(gb), dp))
+        rows.append({"model_gb": gb, "dp": dp, "per_rank_gb": per_rank / 1e9,
+                     "kiln_gb": (gb * 1e9 + dp * per_rank) / 1e9,
+                     "published_cgroup_gb": published[0] if published else None,
+                     "published_total_gb": published[1] if published else None})
     return rows

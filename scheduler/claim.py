@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from common.families import family_of
 from scheduler import queue_index
 from scheduler.cost import CostModel, tokens
-from scheduler.policy import JobResult, Policy, PolicyConfig, QueuedJob, RunningJob
+from scheduler.policy import INTERACTIVE, JobResult, Policy, PolicyConfig, QueuedJob, RunningJob
 from storage.lifecycle import Claim, claim_job, expire
 from storage.outages import describe, is_outage
 from storage.tables import Job, utcnow
@@ -81,6 +81,7 @@ def claim_for_group(
     now: datetime | None = None,
     config: PolicyConfig | None = None,
     sp: int = 1,
+    prefer: str = INTERACTIVE,
 ) -> list[tuple[int, Claim]]:
     """Pick up to len(free_ranks) compatible queued jobs for this group's free ranks and claim
     each atomically (storage.lifecycle.claim_job); returns (rank, Claim) pairs, by rank. Jobs whose
@@ -89,7 +90,10 @@ def claim_for_group(
 
     ``running``: what the group's other ranks are still rendering; a ``cost_per_step`` of 0 is
     replaced by the estimate recorded when that job was claimed here. ``sp``: the group's ranks
-    per replica; its steps are estimated from the costs learned at that layout."""
+    per replica; its steps are estimated from the costs learned at that layout. ``prefer``: the
+    class of jobs the group takes first, "interactive" (the default) or "batch" (a throughput
+    group: `scheduler.policy.GOAL_PREFERS`); it takes the other class's jobs when none of its own
+    is due for its model, and aging lifts those in time as it lifts every waiting job."""
     now = now or utcnow()
     config = config or PolicyConfig()
     ranks = sorted(set(free_ranks))
@@ -114,7 +118,7 @@ def claim_for_group(
     busy = _with_costs(running, dict(zip(unknown, charges, strict=False)))
     try:
         _claim_rounds(session, redis, prefix, group_id, model, ranks, claimed, busy, costs,
-                      config, lease_seconds, now)
+                      config, lease_seconds, now, prefer)
     except Exception as exc:
         if not (claimed and is_outage(exc)):
             raise
@@ -127,7 +131,7 @@ def claim_for_group(
 def _claim_rounds(session: Session, redis: Redis, prefix: str, group_id: str, model: str,
                   ranks: list[int], claimed: dict[int, Claim], busy: list[RunningJob],
                   costs: CostModel, config: PolicyConfig, lease_seconds: float,
-                  now: datetime) -> None:
+                  now: datetime, prefer: str) -> None:
     """Rounds of pick, schedule and claim until every rank in ``ranks`` is in ``claimed`` or no
     candidate is left; ``claimed`` and ``busy`` grow as it goes."""
     for _ in range(MAX_ROUNDS):
@@ -135,8 +139,9 @@ def _claim_rounds(session: Session, redis: Redis, prefix: str, group_id: str, mo
         if not want:
             break
         policy, loaded = candidates(redis, prefix, model, now.timestamp(), len(want), costs,
-                                    config)
-        plan = policy.schedule(want, model=model, running=busy, now=now.timestamp())
+                                    config, prefer)
+        plan = policy.schedule(want, model=model, running=busy, now=now.timestamp(),
+                               prefer=prefer)
         for job_id in plan.expired:
             expire(session, job_id, now=now)
         started = []
@@ -168,7 +173,8 @@ def _with_costs(running: Sequence[RunningJob],
 
 
 def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
-               costs: CostModel, config: PolicyConfig) -> tuple[Policy, dict[str, QueuedJob]]:
+               costs: CostModel, config: PolicyConfig,
+               prefer: str = INTERACTIVE) -> tuple[Policy, dict[str, QueuedJob]]:
     """A throwaway policy holding just the jobs that can win ``num_free`` ranks.
 
     The policy takes the highest level, then the least-served user (oldest due at the top
@@ -176,11 +182,12 @@ def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
     user's service grows. So the winners of ``num_free`` picks all come from the first
     ``num_free`` user queues in that order, and from their ``cost_window + num_free`` oldest
     jobs: that, plus a little slack, is all that is read (`scheduler.queue_index.pick`).
+    Levels are those of a group that prefers the class ``prefer``, in the pick as in the policy.
     """
     jobs, served = queue_index.pick(redis, prefix, model, now=now,
                                     aging_seconds=config.aging_seconds,
                                     num_queues=num_free + EXTRA_QUEUES,
-                                    num_jobs=config.cost_window + num_free)
+                                    num_jobs=config.cost_window + num_free, prefer=prefer)
     policy = Policy(config, costs)
     policy.add_many(jobs)
     for (job_class, owner), value in served.items():

@@ -17,7 +17,11 @@ weights):
    at most `TOP_LEVEL`: base 10 for interactive jobs, 0 for batch, priority 0-9, and one level
    more per ``aging_seconds`` waited since ``due``. Fresh interactive work (10-19) therefore goes
    before fresh batch work (0-9) and higher priority before lower; the highest level present is
-   served first.
+   served first. That is the order of a group that prefers interactive work (the default); a
+   group that prefers batch work (``schedule(..., prefer=BATCH)``: a worker group whose goal is
+   throughput) swaps the bases (`class_bases`), so fresh batch work goes first for it. Either
+   way a group takes the other class's jobs whenever none of its preferred class is due, and
+   aging bounds the wait of both.
 3. **Fairness within a level.** Among the users with a job at that level, the one with the least
    service in the job's class goes first (service = estimated render seconds of the jobs started
    for them, corrected by `update_from_output`). A user who had nothing queued in the class
@@ -56,7 +60,13 @@ from scheduler.cost import CostModel
 INTERACTIVE = "interactive"
 BATCH = "batch"
 # Fresh interactive jobs sit at 10-19, fresh batch jobs at 0-9; aging lifts both up to TOP_LEVEL.
+# That is for a group that prefers interactive work; `class_bases` gives any group's.
 CLASS_BASE = {INTERACTIVE: 10, BATCH: 0}
+# A worker group's goal, and the class of jobs it prefers: a latency group (replicas that split
+# a job over sp ranks, finishing each sooner) takes interactive jobs first, a throughput group
+# (many replicas of one rank) batch jobs first.
+LATENCY, THROUGHPUT = "latency", "throughput"
+GOAL_PREFERS = {LATENCY: INTERACTIVE, THROUGHPUT: BATCH}
 MIN_PRIORITY, MAX_PRIORITY = 0, 9
 TOP_LEVEL = 20
 
@@ -117,9 +127,28 @@ class SchedulerOutput:
     step_costs: dict[str, float] = field(default_factory=dict)
 
 
-def level(job_class: str, priority: int, due: float, now: float, aging_seconds: float) -> int:
+#: A group's goal when it declares none: interactive jobs first, the service's order, so a
+#: deployment of one group keeps answering people before it works through batches. A pool for
+#: overnight work declares ``throughput``.
+DEFAULT_GOAL = LATENCY
+
+
+def class_bases(prefer: str = INTERACTIVE) -> dict[str, int]:
+    """Each class's base level for a group that prefers ``prefer``: the preferred class takes
+    the highest base, the others keep their order below it (`CLASS_BASE` is
+    ``class_bases(INTERACTIVE)``)."""
+    if prefer not in CLASS_BASE:
+        raise ValueError(f"prefer must be one of {sorted(CLASS_BASE)}, got {prefer!r}")
+    bases = sorted(CLASS_BASE.values(), reverse=True)
+    others = sorted((c for c in CLASS_BASE if c != prefer), key=CLASS_BASE.__getitem__,
+                    reverse=True)
+    return dict(zip([prefer, *others], bases, strict=True))
+
+
+def level(job_class: str, priority: int, due: float, now: float, aging_seconds: float,
+          bases: dict[str, int] = CLASS_BASE) -> int:
     waited = max(0.0, now - due)
-    return min(TOP_LEVEL, CLASS_BASE[job_class] + priority + int(waited // aging_seconds))
+    return min(TOP_LEVEL, bases[job_class] + priority + int(waited // aging_seconds))
 
 
 class Policy:
@@ -201,12 +230,15 @@ class Policy:
     # -- scheduling -----------------------------------------------------------------------------
 
     def schedule(self, free_ranks: Sequence[int], *, model: str,
-                 running: Sequence[RunningJob] = (), now: float) -> SchedulerOutput:
+                 running: Sequence[RunningJob] = (), now: float,
+                 prefer: str = INTERACTIVE) -> SchedulerOutput:
         """Jobs for ``free_ranks`` of a group serving ``model``, given what ``running`` ranks do.
+        ``prefer``: the class the group serves first (`class_bases`).
 
         Assigned jobs leave the queue (and are charged to their user); if a claim then fails the
         caller simply drops it. Expired jobs of any model leave the queue too.
         """
+        bases = class_bases(prefer)
         ranks = sorted(set(free_ranks))
         if any(r < 0 for r in ranks):
             raise ValueError(f"ranks must be >= 0, got {list(free_ranks)}")
@@ -217,7 +249,7 @@ class Policy:
         self._expire(now, plan)
         costs = [r.cost_per_step for r in running if r.steps_left > 0]
         for rank in ranks:
-            job = self._pick(model, now, max(costs) if costs else None)
+            job = self._pick(model, now, max(costs) if costs else None, bases)
             if job is None:
                 break
             cost = self.costs.step_seconds(model, job.num_tokens)
@@ -266,14 +298,15 @@ class Policy:
             return None
         return heap[0]
 
-    def _pick(self, model: str, now: float, target: float | None) -> QueuedJob | None:
+    def _pick(self, model: str, now: float, target: float | None,
+              bases: dict[str, int]) -> QueuedJob | None:
         aging = self.config.aging_seconds
         heads: list[tuple[int, _QueueKey, _Entry]] = []
         for key in list(self._keys_by_model.get(model, ())):
             head = self._head(key)
             if head is None or head[0] > now:
                 continue
-            heads.append((level(key[1], key[2], head[0], now, aging), key, head))
+            heads.append((level(key[1], key[2], head[0], now, aging, bases), key, head))
         if not heads:
             return None
         top = max(h[0] for h in heads)
@@ -282,7 +315,7 @@ class Policy:
             # The starvation bound: oldest first, nothing else counts.
             return self._jobs[min(tops, key=lambda t: t[1][:2])[1][2]]
         key, _ = min(tops, key=lambda t: (self._served.get((t[0][1], t[0][3]), 0.0), t[1][:2]))
-        window = self._window(key, top, now)
+        window = self._window(key, top, now, bases)
         if target is None or target <= 0 or len(window) == 1:
             return window[0]
 
@@ -292,7 +325,8 @@ class Policy:
 
         return window[min(range(len(window)), key=mismatch)]
 
-    def _window(self, key: _QueueKey, top: int, now: float) -> list[QueuedJob]:
+    def _window(self, key: _QueueKey, top: int, now: float,
+                bases: dict[str, int]) -> list[QueuedJob]:
         """The oldest ``cost_window`` live jobs of one queue at level ``top``, oldest first."""
         heap = self._queues[key]
         taken: list[_Entry] = []
@@ -301,7 +335,7 @@ class Policy:
             if not self._live(entry):
                 continue
             if entry[0] > now or level(key[1], key[2], entry[0], now,
-                                       self.config.aging_seconds) < top:
+                                       self.config.aging_seconds, bases) < top:
                 heapq.heappush(heap, entry)
                 break
             taken.append(entry)

@@ -46,7 +46,7 @@ from sqlalchemy.orm import Session
 
 from common.families import family_of
 from scheduler.cost import tokens
-from scheduler.policy import CLASS_BASE, TOP_LEVEL, QueuedJob
+from scheduler.policy import CLASS_BASE, INTERACTIVE, TOP_LEVEL, QueuedJob, class_bases
 from storage.tables import MAX_PRIORITY, MIN_PRIORITY, Job, JobClass, JobState
 
 # Every class, in serving order: the one whose jobs start at the higher level first.
@@ -188,7 +188,8 @@ return position(ARGV[5], ARGV[6], tonumber(ARGV[7]))
 
 _PICK = """
 -- ARGV[5..10]: model, now, aging seconds, queues wanted, jobs per queue, top level;
--- ARGV[11..]: each class's base level, in serving order
+-- ARGV[11..]: each class's base level for this group (`policy.class_bases`), in the order of
+-- ARGV[2]
 local model = ARGV[5]
 local now, aging = tonumber(ARGV[6]), tonumber(ARGV[7])
 local want, count, top_level = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
@@ -451,16 +452,19 @@ def _text(value: str | bytes) -> str:
 
 
 def pick(redis: Redis, prefix: str, model: str, *, now: float, aging_seconds: float,
-         num_queues: int, num_jobs: int) -> tuple[list[QueuedJob], dict[tuple[str, str], float]]:
+         num_queues: int, num_jobs: int, prefer: str = INTERACTIVE,
+         ) -> tuple[list[QueuedJob], dict[tuple[str, str], float]]:
     """The jobs that can win the next picks, in one round trip, and their users' service.
 
     In Redis (a Lua script, so the view is consistent): the highest level any head offers, then
     level by level downwards the user queues whose head is at that level, least served first
     (oldest first at the top level) -- the policy's own order -- until ``num_queues`` are taken;
-    then the ``num_jobs`` oldest jobs of each. Only heads of the levels needed are read.
+    then the ``num_jobs`` oldest jobs of each. Only heads of the levels needed are read. Levels
+    are those of a group that prefers the class ``prefer`` (`scheduler.policy.class_bases`).
     """
+    bases = class_bases(prefer)
     reply = _run(redis, "pick", prefix, model, repr(now), repr(aging_seconds), num_queues,
-                 num_jobs, TOP_LEVEL, *(CLASS_BASE[c] for c in CLASSES))
+                 num_jobs, TOP_LEVEL, *(bases[c] for c in CLASSES))
     jobs: list[QueuedJob] = []
     served: dict[tuple[str, str], float] = {}
     for item in reply:

@@ -235,6 +235,9 @@ class WorkerGroup(Base):
     host: Mapped[str] = mapped_column(String(255))
     model: Mapped[str] = mapped_column(String(100))
     mode: Mapped[str] = mapped_column(String(32))  # "allgather" | "rank_local"
+    # "latency" (interactive jobs first) | "throughput" (batch jobs first); None: a group that
+    # reported none (before goals)
+    goal: Mapped[str | None] = mapped_column(String(32))
     platform: Mapped[str] = mapped_column(String(32))  # "cuda" | "npu" | "cpu"
     dp_size: Mapped[int]
     world_size: Mapped[int]

@@ -168,22 +168,20 @@ def running_service(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Pat
 
 
 @contextlib.contextmanager
-def worker_group(service: Service, *, dp: int = 2, sp: int = 1, args: Sequence[str] = (),
-                 **overrides: Any) -> Iterator[subprocess.Popen[bytes]]:
+def worker_group(service: Service, *, dp: int = 2, sp: int = 1, goal: str | None = None,
+                 args: Sequence[str] = (), **overrides: Any) -> Iterator[subprocess.Popen[bytes]]:
     """A real ``kiln worker --dp N --sp M`` (N replicas of M ranks) in a process group of its
     own (the launcher is its leader) on ``service``'s database, Redis prefix and outputs;
-    ``overrides`` (scalar ``Settings`` fields) reach it as ``KILN_*`` variables; ``args`` are
-    more ``kiln worker`` options. Yields the launcher once a group that was not there before
-    has reported ready; leaving stops the group gracefully, unless the test has killed it
-    already."""
-    s = service.settings
-    env = {"KILN_DATABASE_URL": s.database_url, "REDIS_URL": s.redis_url or REDIS_URL,
-           "KILN_REDIS_PREFIX": s.redis_prefix, "KILN_OUTPUT_DIR": str(s.output_dir),
-           **{f"KILN_{name.upper()}": str(value) for name, value in overrides.items()}}
+    ``goal``: its ``--goal`` (None: the layout's default); ``overrides`` (scalar ``Settings``
+    fields) reach it as ``KILN_*`` variables; ``args`` are more ``kiln worker`` options. Yields
+    the launcher once a group that was not there before has reported ready; leaving stops the
+    group gracefully, unless the test has killed it already."""
     key = next(iter(service.keys.values()))
     before = {g["id"] for g in _groups(service.url, key)}
-    worker = subprocess.Popen([KILN, "worker", "--dp", str(dp), "--sp", str(sp), *args],
-                              env={**os.environ, **env},
+    goal_args = ["--goal", goal] if goal is not None else []
+    worker = subprocess.Popen([KILN, "worker", "--dp", str(dp), "--sp", str(sp), *goal_args,
+                               *args],
+                              env=worker_env(service, **overrides),
                               start_new_session=True)
     try:
         _wait_until_ready(service.url, key, worker, before)
@@ -191,6 +189,17 @@ def worker_group(service: Service, *, dp: int = 2, sp: int = 1, args: Sequence[s
     finally:
         # A graceful stop (running jobs finish or requeue); a killed group is gone already.
         stop_group(worker, timeout=60)
+
+
+def worker_env(service: Service, **overrides: Any) -> dict[str, str]:
+    """The environment a ``kiln worker`` process of ``service`` runs in: this one's, plus its
+    database, Redis, Redis prefix and outputs, and ``overrides`` (scalar ``Settings`` fields) as
+    ``KILN_*`` variables."""
+    s = service.settings
+    env = {"KILN_DATABASE_URL": s.database_url, "REDIS_URL": s.redis_url or REDIS_URL,
+           "KILN_REDIS_PREFIX": s.redis_prefix, "KILN_OUTPUT_DIR": str(s.output_dir),
+           **{f"KILN_{name.upper()}": str(value) for name, value in overrides.items()}}
+    return {**os.environ, **env}
 
 
 def _groups(url: str, key: str) -> list[dict[str, Any]]:

@@ -81,7 +81,8 @@ def test_kiln_up_at_dp1_sp2_renders_an_sdk_job_on_one_replica_of_two_ranks(
         tmp_path: Path) -> None:
     import openai
 
-    with _kiln_up(tmp_path, "--dp", "1", "--sp", "2") as (base, key):
+    # --goal reaches the worker (throughput: not the default at sp=2).
+    with _kiln_up(tmp_path, "--dp", "1", "--sp", "2", "--goal", "throughput") as (base, key):
         sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=30)
         video = sdk.videos.create(prompt="a red circle moving left", model="kiln-tiny",
                                   size="64x64", seconds="1",  # type: ignore[arg-type]
@@ -104,6 +105,7 @@ def test_kiln_up_at_dp1_sp2_renders_an_sdk_job_on_one_replica_of_two_ranks(
         assert len(groups) == 1, groups
         group = groups[0]
         assert (group["dp_size"], group["sp_size"], group["world_size"]) == (1, 2, 2), group
+        assert group["goal"] == "throughput", group
         assert [(r["replica"], r["ranks"]) for r in group["replicas"]] == [(0, [0, 1])], group
         assert [(r["rank"], r["replica"]) for r in group["ranks"]] == [(0, 0), (1, 0)], group
 

@@ -41,7 +41,7 @@ def list_workers(user: CurrentUser, session: SessionDep,
                 replicas[r.rank // sp].job_id = r.job_id
         data.append(WorkerGroupPublic(
             id=group.id, name=group.name, host=group.host, model=group.model, mode=group.mode,
-            platform=group.platform, dp_size=group.dp_size, sp_size=sp,
+            platform=group.platform, dp_size=group.dp_size, sp_size=sp, goal=group.goal,
             world_size=group.world_size, replicas=replicas,
             state=group.state, reason=group.state_reason, stale=stale,
             started_at=group.started_at,

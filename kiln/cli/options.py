@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from runtime.budget import parse_budget
+from scheduler.policy import GOAL_PREFERS
 
 Model = Annotated[str, typer.Option(help="kiln-tiny or a diffusers model directory.")]
 Device = Annotated[str, typer.Option(help="cpu, cuda or npu.")]
@@ -15,6 +16,21 @@ DeviceBudgetOption = Annotated[str, typer.Option(
     help="Device memory for resident transformer blocks (the rest stream): 'auto' (free device "
          "memory less the largest admitted job's activations; none on the CPU), 'none', or a "
          "size such as 12GiB.")]
+
+GoalOption = Annotated[str | None, typer.Option(
+    help="What the worker group serves for: 'latency' takes interactive jobs first, "
+         "'throughput' batch jobs first; either takes the other class's jobs when none of its "
+         "own is queued. Default: latency (interactive first); a pool for overnight work "
+         "declares throughput.",
+    show_default=False)]
+
+
+def parse_goal(value: str | None) -> str | None:
+    """``--goal`` as the worker takes it; a bad value is a usage error."""
+    if value is not None and value not in GOAL_PREFERS:
+        raise typer.BadParameter(f"must be {' or '.join(sorted(GOAL_PREFERS))}, got {value!r}",
+                                 param_hint="--goal")
+    return value
 
 
 def device_budget(text: str) -> int | str | None:

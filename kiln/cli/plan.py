@@ -30,13 +30,16 @@ def plan(
                                           "WIDTHxHEIGHTxFRAMESxSTEPS.")] = "",
     remeasure: Annotated[bool, typer.Option(help="Measure the profile again.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    memory: Annotated[bool, typer.Option(
+        "--memory-table", help="Also extrapolate host memory to the published technique's model "
+                               "sizes (33-400 GB at dp 4 and 8) from this profile.")] = False,
 ) -> None:
     """Predict host memory, step time, latency and jobs per hour of every layout of --world
     ranks (dp x sp, allgather and rank-local), from a short profile of this machine and model
     (cached; measured again when stale), and mark the best for latency and for throughput."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
     from common.families import family_of
-    from runtime.planner import Job, heads_of, load_or_measure
+    from runtime.planner import Job, heads_of, load_or_measure, memory_table
     from runtime.planner import plan as make_plan
 
     if device != "cpu":
@@ -59,8 +62,8 @@ def plan(
             "model": model, "world": world, "job": str(shape), "profile": source,
             "layouts": [asdict(p) for p in result.predictions],
             "best_latency": result.best_latency.layout,
-            "best_throughput": result.best_throughput.layout, "reasons": result.reasons},
-            indent=2))
+            "best_throughput": result.best_throughput.layout, "reasons": result.reasons,
+            **({"memory_table": memory_table(profile)} if memory else {})}, indent=2))
         return
     typer.echo(f"{model}, {world} ranks, job {shape} ({shape.tokens(model)} tokens); "
                f"profile: {source}")
@@ -77,3 +80,15 @@ def plan(
     Console(width=120).print(table)
     typer.echo(f"latency:    {result.best_latency.layout}: {result.reasons['latency']}")
     typer.echo(f"throughput: {result.best_throughput.layout}: {result.reasons['throughput']}")
+    if memory:
+        rows = memory_table(profile)
+        typer.echo(f"host memory, allgather, extrapolated with this profile's "
+                   f"{rows[0]['per_rank_gb']:.2f} GB per rank (model + dp x that), beside the "
+                   "published estimates (cgroup-visible peak / total RAM):")
+        table = Table()
+        for name in ("model", "dp", "kiln (cgroup = total)", "published cgroup / total"):
+            table.add_column(name, justify="right")
+        for r in rows:
+            table.add_row(f"{r['model_gb']:.0f} GB", str(r["dp"]), f"{r['kiln_gb']:.0f} GB",
+                          f"{r['published_cgroup_gb']} / {r['published_total_gb']} GB")
+        Console(width=120).print(table)

@@ -30,7 +30,15 @@ import typer
 
 from common.procs import die_with_parent, free_port
 from common.settings import Settings
-from kiln.cli.options import Device, DeviceBudgetOption, Model, device_budget
+from kiln.cli.options import (
+    Device,
+    DeviceBudgetOption,
+    GoalOption,
+    Model,
+    device_budget,
+    parse_goal,
+)
+from scheduler.policy import DEFAULT_GOAL
 
 app = typer.Typer()
 
@@ -354,6 +362,7 @@ def up(
     sp: Annotated[int, typer.Option(
         help="Ranks per replica, splitting its job's token sequence.")] = 1,
     budget: DeviceBudgetOption = "auto",
+    goal: GoalOption = None,
     model: Model = "kiln-tiny",
     device: Device = "cpu",
     celery: Annotated[bool, typer.Option(help="Also run the Celery side work.")] = True,
@@ -363,6 +372,7 @@ def up(
 ) -> None:
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""
     device_budget(budget)  # a bad value is refused before anything starts
+    parse_goal(goal)
     if dp < 1 or sp < 1:
         raise typer.BadParameter(f"--dp and --sp must be >= 1, got dp={dp}, sp={sp}")
     # Here, not at the top: Alembic and SQLAlchemy load only for `kiln up`.
@@ -420,13 +430,14 @@ def up(
         api.wait_until(lambda: _http_ok(f"{api_url}/healthz"), "the API")
         supervisor.start(Child(
             "worker", [_KILN, "worker", "--dp", str(dp), "--sp", str(sp), "--model", model,
-                       "--device", device, "--device-budget", budget],
+                       "--device", device, "--device-budget", budget,
+                       *(["--goal", goal] if goal else [])],
             env, log("worker")))
         if celery:
             supervisor.start(Child("celery", [_KILN, "celery"], env, log("celery")))
         typer.echo(f"api       {api_url}   (docs: {api_url}/docs, workers: {api_url}/v1/workers)")
         typer.echo(f"worker    {dp * sp} rank(s) (dp={dp} x sp={sp}), model {model}, "
-                   f"device {device}")
+                   f"device {device}, goal {goal or DEFAULT_GOAL}")
         typer.echo(f"admin key {key}   (also in {key_file})")
         if verbose:
             typer.echo(f"logs      here (redis: {logs / 'redis.log'})")

@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from common.settings import get_settings
-from kiln.cli.options import Device, DeviceBudgetOption, Model, device_budget
+from kiln.cli.options import (
+    Device,
+    DeviceBudgetOption,
+    GoalOption,
+    Model,
+    device_budget,
+    parse_goal,
+)
 
 app = typer.Typer()
 
@@ -31,6 +38,7 @@ def worker(
         min=1, help="A collective that takes longer than this means a rank hung: the group is "
                     "started again.")] = 600.0,
     budget: DeviceBudgetOption = "auto",
+    goal: GoalOption = None,
 ) -> None:
     """Load the model once on dp x sp ranks, then render queued jobs until stopped (Ctrl-C)."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
@@ -40,7 +48,8 @@ def worker(
         raise typer.BadParameter(f"--device must be cpu, cuda or npu, got {device!r}")
     if dp < 1 or sp < 1:
         raise typer.BadParameter(f"--dp and --sp must be >= 1, got dp={dp}, sp={sp}")
-    config = WorkerConfig(dp=dp, sp=sp, device_budget=device_budget(budget), model=model,
+    config = WorkerConfig(dp=dp, sp=sp, goal=parse_goal(goal),
+                          device_budget=device_budget(budget), model=model,
                           device=device, use_allgather=allgather,
                           drain_seconds=drain_seconds,
                           collective_timeout_seconds=collective_timeout_seconds)

@@ -208,7 +208,7 @@ def test_workers_lists_groups_ranks_memory_and_only_visible_jobs(api) -> None:
                                        lease_seconds=60)
         report_group(s, GroupReport(
             id="node1-123", name="node1", host="node1", model="kiln-tiny", mode="allgather",
-            platform="cpu", dp_size=2, world_size=2,
+            platform="cpu", dp_size=2, world_size=2, goal="throughput",
             ranks=[{"rank": 0, "device": "cpu", "device_mem_used_bytes": 100,
                     "device_mem_total_bytes": 1000, "host_mem_bytes": 50, "job_id": alice_job},
                    {"rank": 1, "device": "cpu", "device_mem_used_bytes": 200,
@@ -217,6 +217,7 @@ def test_workers_lists_groups_ranks_memory_and_only_visible_jobs(api) -> None:
     assert len(groups) == 1
     g = groups[0]
     assert (g["dp_size"], g["mode"], g["stale"], g["num_running"]) == (2, "allgather", False, 2)
+    assert g["goal"] == "throughput"
     assert g["current_jobs"] == [alice_job]
     assert [r["job_id"] for r in g["ranks"]] == [alice_job, None]
     assert [r["device_mem_used_bytes"] for r in g["ranks"]] == [100, 200]

@@ -34,7 +34,8 @@ def _profile(**changes: object) -> Profile:
         checkpoint=checkpoint_fingerprint("kiln-tiny"), created_at=time.time(), cores=8,
         num_blocks=10, max_block_bytes=GB // 10, block_bytes=GB, nonblock_bytes=GB // 100,
         width_tokens=(100, 400), block_seconds=(0.01, 0.001), gather_seconds_per_byte=1e-9,
-        copy_seconds_per_byte=1e-10, all_to_all_seconds_per_byte=1e-9,
+        gather_latency_seconds=0.0, copy_seconds_per_byte=1e-10, all_to_all_seconds_per_byte=1e-9,
+        all_to_all_latency_seconds=1e-4,
         activation_bytes_per_token=8192, prepare_seconds=0.1, decode_seconds=0.2,
         decode_pixels=64 * 64 * 9, framework_bytes=300_000_000,
         per_rank_bytes={"allgather": 100_000_000, "rank-local": 50_000_000},
@@ -96,11 +97,12 @@ def test_the_plan_marks_the_best_layouts_and_says_why():
 
 
 def test_the_memory_table_extrapolates_with_the_fitted_constant():
-    rows = memory_table(_profile(), [33, 124], [4, 8])
+    rows = memory_table(_profile())
+    assert [(r["model_gb"], r["dp"]) for r in rows] == [(33, 4), (124, 4), (185, 4), (400, 4),
+                                                        (400, 8)]
     first = rows[0]
-    assert (first["model_gb"], first["dp"]) == (33, 4)
-    assert first["cgroup_gb"] == pytest.approx(33 + 4 * 0.4)
-    assert first["total_gb"] == pytest.approx(2 * 33 + 4 * 0.4)
+    assert first["kiln_gb"] == pytest.approx(33 + 4 * 0.4)
+    assert (first["published_cgroup_gb"], first["published_total_gb"]) == (47, 80)
 
 
 def test_a_cached_profile_is_used_until_the_machine_or_model_changes(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from datetime import UTC, datetime, timedelta
 
+import pytest
 import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -41,10 +42,13 @@ def submit(session: Session, r: redis.Redis, prefix: str, owner: User, *, now: d
 
 def claim(session: Session, r: redis.Redis, prefix: str, ranks: list[int], *, group: str = "g1",
           model: str = "kiln-tiny", now: datetime = T0 + timedelta(seconds=1),
-          running: list[RunningJob] | None = None) -> list[tuple[int, lifecycle.Claim]]:
+          running: list[RunningJob] | None = None,
+          prefer: str | None = None) -> list[tuple[int, lifecycle.Claim]]:
+    # ``prefer`` only when given: the claim's own default is what most tests exercise.
+    chosen = {} if prefer is None else {"prefer": prefer}
     return sched.claim_for_group(session, r, prefix=prefix, group_id=group, model=model,
                                  free_ranks=ranks, running=running or [], lease_seconds=60,
-                                 now=now)
+                                 now=now, **chosen)
 
 
 def test_claims_one_job_per_free_rank_in_priority_order_and_clears_their_ready_entries(
@@ -253,3 +257,80 @@ def test_reconcile_puts_back_a_queue_position_lost_from_redis(
         added=0, removed=0)
     assert queue_index.position(redis_client, redis_prefix, first) == 0
     assert queue_index.position(redis_client, redis_prefix, second) == 1
+
+
+# -- pools by goal: a latency group prefers interactive jobs, a throughput group batch jobs ------
+
+def test_with_both_classes_queued_each_goal_claims_its_own_class_first(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice, bob = user(session, "alice"), user(session, "bob")
+    fast = [submit(session, redis_client, redis_prefix, owner, priority=0,
+                   now=T0 + timedelta(milliseconds=i)) for i, owner in enumerate([alice, bob])]
+    night = [submit(session, redis_client, redis_prefix, owner, job_class=JobClass.BATCH,
+                    priority=9, now=T0 + timedelta(milliseconds=10 + i))
+             for i, owner in enumerate([alice, bob])]
+    # A throughput group (batch first: class before priority, as for interactive work) ...
+    got = claim(session, redis_client, redis_prefix, [0, 1], group="dp", prefer="batch")
+    assert sorted(c.job.id for _, c in got) == sorted(j.id for j in night)
+    assert {c.job.class_ for _, c in got} == {"batch"}
+    # ... and a latency group, whose preference is the claim's default.
+    got = claim(session, redis_client, redis_prefix, [0], group="sp", prefer="interactive")
+    assert [c.job.id for _, c in got] == [fast[0].id]
+    got = claim(session, redis_client, redis_prefix, [0], group="sp2")
+    assert [c.job.id for _, c in got] == [fast[1].id]
+    groups = {j.id: j.worker_group_id for j in session.scalars(select(Job))}
+    assert groups == {night[0].id: "dp", night[1].id: "dp", fast[0].id: "sp",
+                      fast[1].id: "sp2"}
+
+
+def test_each_goal_takes_the_other_class_when_none_of_its_own_is_queued(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    fast = submit(session, redis_client, redis_prefix, alice)
+    got = claim(session, redis_client, redis_prefix, [0, 1], group="dp", prefer="batch")
+    assert [(rank, c.job.id) for rank, c in got] == [(0, fast.id)]
+    night = submit(session, redis_client, redis_prefix, alice, job_class=JobClass.BATCH)
+    got = claim(session, redis_client, redis_prefix, [0], group="sp", prefer="interactive")
+    assert [c.job.id for _, c in got] == [night.id]
+
+
+def test_a_throughput_group_fills_its_free_ranks_with_batch_then_interactive_work(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    # More interactive users than one claim reads queues for (one per free rank plus two): the
+    # Redis pick itself must rank the batch queue first, not only the policy.
+    owners = [user(session, name) for name in ("a", "b", "c", "d", "e")]
+    fast = [submit(session, redis_client, redis_prefix, o, priority=9,
+                   now=T0 + timedelta(milliseconds=i)) for i, o in enumerate(owners)]
+    night = submit(session, redis_client, redis_prefix, user(session, "owl"),
+                   job_class=JobClass.BATCH, priority=0, now=T0 + timedelta(seconds=0.5))
+    got = claim(session, redis_client, redis_prefix, [0, 1], prefer="batch")
+    assert [(rank, c.job.id) for rank, c in got] == [(0, night.id), (1, fast[0].id)]
+
+
+def test_a_batch_job_not_yet_in_its_window_leaves_a_throughput_group_to_interactive_work(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    opens = T0 + timedelta(hours=8)  # an overnight window
+    night = submit(session, redis_client, redis_prefix, alice, job_class=JobClass.BATCH,
+                   not_before=opens)
+    fast = submit(session, redis_client, redis_prefix, alice)
+    got = claim(session, redis_client, redis_prefix, [0], prefer="batch")
+    assert [c.job.id for _, c in got] == [fast.id]
+    assert claim(session, redis_client, redis_prefix, [0], prefer="batch") == []
+    # Once the window opens the batch job is due, and a latency group with no interactive work
+    # takes it as well.
+    got = claim(session, redis_client, redis_prefix, [0], group="sp", prefer="interactive",
+                now=opens)
+    assert [c.job.id for _, c in got] == [night.id]
+
+
+def test_an_unknown_preference_is_refused(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    submit(session, redis_client, redis_prefix, user(session, "alice"))
+    with pytest.raises(ValueError, match="prefer"):
+        claim(session, redis_client, redis_prefix, [0], prefer="overnight")

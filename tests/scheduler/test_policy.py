@@ -13,6 +13,7 @@ from scheduler.cost import CostModel
 from scheduler.policy import (
     BATCH,
     CLASS_BASE,
+    DEFAULT_GOAL,
     INTERACTIVE,
     TOP_LEVEL,
     JobResult,
@@ -20,6 +21,7 @@ from scheduler.policy import (
     PolicyConfig,
     QueuedJob,
     RunningJob,
+    class_bases,
     level,
 )
 
@@ -79,32 +81,33 @@ def test_no_job_is_assigned_twice_and_only_queued_jobs_are_assigned(
 
 @PROPS
 @given(jobs=st.lists(job_st, min_size=1, max_size=40), aging=st.sampled_from([10.0, 30.0, 1e9]),
-       step=st.sampled_from([1.0, 7.0]))
+       step=st.sampled_from([1.0, 7.0]), prefer=st.sampled_from([INTERACTIVE, BATCH]))
 def test_every_pick_is_of_the_highest_level_among_due_jobs_of_the_model(
-    jobs: list[QueuedJob], aging: float, step: float,
+    jobs: list[QueuedJob], aging: float, step: float, prefer: str,
 ) -> None:
     policy = Policy(PolicyConfig(aging_seconds=aging))
     policy.add_many(jobs)
     waiting = {j.job_id: j for j in jobs}
+    bases = class_bases(prefer)
     now = 0.0
     for _ in range(60):
         now += step
         for model in ("m", "n"):
-            plan = policy.schedule([0], model=model, now=now)
+            plan = policy.schedule([0], model=model, now=now, prefer=prefer)
             for job_id in plan.expired:
                 del waiting[job_id]
             if not plan.assignments:
                 continue
             picked = waiting.pop(plan.assignments[0])
             assert picked.due <= now and (picked.deadline is None or picked.deadline > now)
-            mine = level(picked.job_class, picked.priority, picked.due, now, aging)
-            rivals = [level(j.job_class, j.priority, j.due, now, aging) for j in waiting.values()
-                      if j.model == model and j.due <= now
+            mine = level(picked.job_class, picked.priority, picked.due, now, aging, bases)
+            rivals = [level(j.job_class, j.priority, j.due, now, aging, bases)
+                      for j in waiting.values() if j.model == model and j.due <= now
                       and (j.deadline is None or j.deadline > now)]
             assert all(r <= mine for r in rivals)
-            if aging > 1e8:  # no aging: interactive strictly before batch
-                assert picked.job_class == INTERACTIVE or all(
-                    j.job_class == BATCH for j in waiting.values()
+            if aging > 1e8:  # no aging: the preferred class strictly before the other
+                assert picked.job_class == prefer or all(
+                    j.job_class != prefer for j in waiting.values()
                     if j.model == model and j.due <= now
                     and (j.deadline is None or j.deadline > now))
 
@@ -112,9 +115,9 @@ def test_every_pick_is_of_the_highest_level_among_due_jobs_of_the_model(
 @PROPS
 @given(job_class=st.sampled_from([INTERACTIVE, BATCH]), priority=st.integers(0, 9),
        aging=st.sampled_from([5.0, 20.0]), dp=st.integers(1, 4), flood=st.integers(0, 3),
-       owners=st.integers(1, 3))
+       owners=st.integers(1, 3), prefer=st.sampled_from([INTERACTIVE, BATCH]))
 def test_a_job_starts_within_the_aging_bound_under_a_flood_of_fresh_top_priority_work(
-    job_class: str, priority: int, aging: float, dp: int, flood: int, owners: int,
+    job_class: str, priority: int, aging: float, dp: int, flood: int, owners: int, prefer: str,
 ) -> None:
     policy = Policy(PolicyConfig(aging_seconds=aging))
     victim = job(owner="victim", job_class=job_class, priority=priority, due=0.0)
@@ -122,13 +125,15 @@ def test_a_job_starts_within_the_aging_bound_under_a_flood_of_fresh_top_priority
     # Its user has had far more than a fair share, so fairness alone would never pick it.
     policy.set_served(job_class, "victim", 1e9)
     tick = 1.0
-    bound = (TOP_LEVEL - CLASS_BASE[job_class] - priority) * aging + tick
+    bound = (TOP_LEVEL - class_bases(prefer)[job_class] - priority) * aging + tick
     now, started = 0.0, None
     while started is None and now <= bound + 10 * tick:
-        # More fresh interactive priority-9 work arrives every tick than the ranks can take.
+        # More fresh priority-9 work of the class the group prefers arrives every tick than
+        # the ranks can take.
         for i in range(dp + flood):
-            policy.add(job(owner=f"u{i % owners}", priority=9, due=now))
-        plan = policy.schedule(range(dp), model="m", now=now)  # every job lasts one tick
+            policy.add(job(owner=f"u{i % owners}", job_class=prefer, priority=9, due=now))
+        # every job lasts one tick
+        plan = policy.schedule(range(dp), model="m", now=now, prefer=prefer)
         if victim.job_id in plan.assignments.values():
             started = now
         now += tick
@@ -170,9 +175,10 @@ def test_deadlines_no_job_starts_at_or_after_its_deadline_and_each_late_one_expi
 @PROPS
 @given(counts=st.lists(st.integers(1, 60), min_size=2, max_size=4),
        tokens=st.lists(st.sampled_from([48, 192, 768]), min_size=1, max_size=4),
-       job_class=st.sampled_from([INTERACTIVE, BATCH]), dp=st.integers(1, 3))
+       job_class=st.sampled_from([INTERACTIVE, BATCH]), dp=st.integers(1, 3),
+       prefer=st.sampled_from([INTERACTIVE, BATCH]))
 def test_backlogged_users_of_a_class_stay_within_one_job_of_equal_service(
-    counts: list[int], tokens: list[int], job_class: str, dp: int,
+    counts: list[int], tokens: list[int], job_class: str, dp: int, prefer: str,
 ) -> None:
     policy = Policy(PolicyConfig(aging_seconds=1e9))
     owners = [f"u{i}" for i in range(len(counts))]
@@ -185,7 +191,7 @@ def test_backlogged_users_of_a_class_stay_within_one_job_of_equal_service(
     biggest = max(costs.step_seconds("m", t) for t in tokens) * 4
     now = 1.0
     while True:
-        plan = policy.schedule(range(dp), model="m", now=now)
+        plan = policy.schedule(range(dp), model="m", now=now, prefer=prefer)
         if not plan.assignments:
             break
         backlogged = [o for o in owners if policy_has(policy, o)]
@@ -212,6 +218,46 @@ def test_interactive_goes_before_batch_and_higher_priority_before_lower() -> Non
     policy.add_many([batch, low, high])
     plan = policy.schedule([0, 1, 2], model="m", now=1.0)
     assert plan.assignments == {0: high.job_id, 1: low.job_id, 2: batch.job_id}
+
+
+def test_class_bases_put_the_preferred_class_on_top_and_goals_default_by_layout() -> None:
+    assert class_bases() == class_bases(INTERACTIVE) == CLASS_BASE
+    assert class_bases(BATCH) == {BATCH: 10, INTERACTIVE: 0}
+    with pytest.raises(ValueError, match="prefer"):
+        class_bases("overnight")
+    assert DEFAULT_GOAL == "latency"  # interactive first unless a pool says otherwise
+
+
+def test_a_group_that_prefers_batch_takes_batch_first_then_interactive() -> None:
+    policy = Policy()
+    urgent = job(priority=9)
+    night = job(job_class=BATCH, priority=0)
+    policy.add_many([urgent, night])
+    # Fresh work of the preferred class goes first, whatever the other class's priority.
+    assert policy.schedule([0], model="m", now=1.0, prefer=BATCH).assignments == {
+        0: night.job_id}
+    # With no batch job due, the interactive one is taken: no rank idles while work waits.
+    assert policy.schedule([0], model="m", now=1.0, prefer=BATCH).assignments == {
+        0: urgent.job_id}
+
+
+def test_a_group_that_prefers_interactive_takes_batch_when_no_interactive_job_is_due() -> None:
+    policy = Policy()
+    night = job(job_class=BATCH, priority=0)
+    later = job(priority=9, due=50.0)  # not due yet: it does not hold the batch job back
+    policy.add_many([night, later])
+    assert policy.schedule([0], model="m", now=1.0).assignments == {0: night.job_id}
+    assert policy.schedule([0], model="m", now=50.0).assignments == {0: later.job_id}
+
+
+def test_aging_lifts_an_old_interactive_job_above_fresh_batch_work_for_a_throughput_group(
+) -> None:
+    policy = Policy(PolicyConfig(aging_seconds=10.0))
+    old = job(priority=0, due=0.0)  # level 0 for a throughput group, 20 after 200 s
+    policy.add(old)
+    policy.add(job(job_class=BATCH, priority=9, due=200.0))
+    assert policy.schedule([0], model="m", now=200.0, prefer=BATCH).assignments == {
+        0: old.job_id}
 
 
 def test_a_job_waits_for_its_not_before() -> None:

@@ -55,10 +55,10 @@ def clean_redis(redis_client: redis.Redis):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=jobs_st, served=st.permutations(range(20)),
        num_free=st.integers(1, 3), aging=st.sampled_from([1e6, 40.0, 7.0]),
-       big_running=st.booleans())
+       big_running=st.booleans(), prefer=st.sampled_from([INTERACTIVE, BATCH]))
 def test_the_claim_path_picks_what_a_policy_holding_the_whole_queue_picks(
     clean_redis: tuple[redis.Redis, object], specs: list[tuple[str, int, int]],
-    served: list[int], num_free: int, aging: float, big_running: bool,
+    served: list[int], num_free: int, aging: float, big_running: bool, prefer: str,
 ) -> None:
     r, make_prefix = clean_redis
     prefix = make_prefix()  # type: ignore[operator]
@@ -78,13 +78,16 @@ def test_the_claim_path_picks_what_a_policy_holding_the_whole_queue_picks(
     full.add_many(jobs)
     for (c, o), s in zip(shares, served, strict=True):
         full.set_served(c, o, float(s))
-    expected = full.schedule(range(num_free), model="m", running=running, now=now)
+    # ``prefer``: the class the group takes first (a latency group interactive, a throughput
+    # group batch); the Redis pick must read the levels the policy then uses.
+    expected = full.schedule(range(num_free), model="m", running=running, now=now,
+                             prefer=prefer)
 
     assert queue_index.add(r, prefix, jobs) == len(jobs)
     for (c, o), s in zip(shares, served, strict=True):
         r.hset(queue_index.served_key(prefix, c), o, s)
-    bounded, loaded = candidates(r, prefix, "m", now, num_free, costs, config)
-    got = bounded.schedule(range(num_free), model="m", running=running, now=now)
+    bounded, loaded = candidates(r, prefix, "m", now, num_free, costs, config, prefer)
+    got = bounded.schedule(range(num_free), model="m", running=running, now=now, prefer=prefer)
     assert got.assignments == expected.assignments
     assert len(loaded) <= (num_free + 2) * (config.cost_window + num_free)
 
