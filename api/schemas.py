@@ -355,6 +355,10 @@ class WorkerGroupPublic(BaseModel):
         default=None, description="latency (takes interactive jobs first) | throughput (batch "
                                   "jobs first); either takes the other class when its own is "
                                   "not queued. Null for a group that reported none")
+    plan: dict[str, Any] | None = Field(
+        default=None, description="kiln worker --layout auto: the layout chosen and the "
+                                  "runner-up, with their predicted figures; null when the "
+                                  "layout was given")
     world_size: int
     replicas: list[ReplicaPublic]
     state: str = Field(description="starting | ready | degraded | stopping | stopped")

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.models.synthetic import SyntheticSpec, checkpoint_bytes, make_checkpoint  # noqa: E402
-from runtime.planner import MODES, Job, layouts_of, measure_layout, measure_profile, predict  # noqa: E402
+from runtime.planner import MODES, JobShape, layouts_of, measure_layout, measure_profile, predict  # noqa: E402
 from runtime.sequence import Layout  # noqa: E402
 
 MEMORY_TARGET = 0.15
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("out/bench/models"))
     ap.add_argument("--json", type=Path, default=Path("out/bench/planner.json"))
     args = ap.parse_args()
-    job = Job.parse(args.job)
+    job = JobShape.parse(args.job)
     model = str(_model(args.dir, args.layers, args.width))
     heads = args.width // 128
     size = checkpoint_bytes(Path(model))
@@ -75,9 +75,9 @@ def main() -> None:
                       flush=True)
     # The machine's speed may drift while this runs (other work on its cores): the profile's
     # own reference run, measured again now, says by how much.
-    reference = profile.raw.get(f"rank-local {Job(128, 128, 5, 3)}")
+    reference = profile.raw.get(f"rank-local {JobShape(128, 128, 5, 3)}")
     if reference:
-        again = measure_layout(model, Layout(dp=2), "rank-local", Job(128, 128, 5, 3), steps=3)
+        again = measure_layout(model, Layout(dp=2), "rank-local", JobShape(128, 128, 5, 3), steps=3)
         drift = again.step_seconds / reference["step_seconds"] - 1
         print(f"drift: the profile's reference run (dp=2 rank-local, 128x128x5) took "
               f"{reference['step_seconds']:.2f} s a step then and {again.step_seconds:.2f} s now "

@@ -33,6 +33,7 @@ from typing import Any
 from redis import Redis, RedisError
 from sqlalchemy.orm import Session
 
+from common.families import family_of
 from common.settings import Settings
 from runtime.budget import AUTO, DeviceBudget
 from runtime.launch import (
@@ -45,6 +46,7 @@ from runtime.launch import (
     under_torchrun,
 )
 from runtime.pipelines.base import VideoRequest
+from runtime.planner import JobShape, choose, heads_of, load_or_measure, plan, summary
 from runtime.platform import get_platform
 from runtime.rank_loop import RankLoop, RankStatus, StepPlan, Ticket, run_loop
 from runtime.render import load_pipeline
@@ -92,6 +94,10 @@ class WorkerConfig:
     goal: str | None = None
     # Device memory for resident blocks: "auto", None (stream all) or bytes (runtime.budget).
     device_budget: DeviceBudget = AUTO
+    # --layout auto: plan dp, sp and the mode for this many ranks (`plan_layout`); the plan it
+    # chose (the layout and the runner-up, predicted) is reported to /v1/workers.
+    auto_world: int | None = None
+    plan: dict[str, Any] | None = None
     model: str = "kiln-tiny"
     device: str = "cpu"  # cpu | cuda | npu
     use_allgather: bool = True
@@ -487,8 +493,8 @@ class Coordinator:
                              host=self.host, model=self.config.model,
                              mode="allgather" if self.mode == "allgather" else "rank_local",
                              platform=self.platform_name, dp_size=self.layout.dp,
-                             world_size=self.world, goal=self.goal, state=state, reason=reason,
-                             ranks=ranks)
+                             world_size=self.world, goal=self.goal, plan=self.config.plan,
+                             state=state, reason=reason, ranks=ranks)
         with self.sessions() as session:
             try:
                 self._report(session, report)
@@ -613,6 +619,11 @@ def run_worker(settings: Settings, config: WorkerConfig,
     ``config.drain_seconds`` to finish, then go back to the queue uncharged; a second signal
     kills the ranks), 1 after a crash loop.
     """
+    if config.auto_world is not None:
+        if under_torchrun():
+            raise ValueError("--layout auto plans on this machine before it starts the ranks; "
+                             "under torchrun give --sp (plan first with kiln plan)")
+        config = plan_layout(settings, config)
     layout = config.layout  # checks dp and sp
     if under_torchrun():
         run_this_rank(serve_rank, settings, config, device=config.device)
@@ -656,6 +667,34 @@ def run_worker(settings: Settings, config: WorkerConfig,
         if _stop_requested_within(backoff):
             return 0
         backoff = min(MAX_RESTART_BACKOFF_SECONDS, 2 * backoff)
+
+
+def plan_layout(settings: Settings, config: WorkerConfig) -> WorkerConfig:
+    """``--layout auto``: the planner's layout of ``config.auto_world`` ranks for the group's
+    goal, at the model's default job (`runtime.planner`; the profile is measured on two CPU
+    ranks the first time, then cached under the data directory). Logs the choice and the
+    runner-up."""
+    if config.device != "cpu":
+        raise ValueError("--layout auto plans from a profile measured on CPU ranks; on "
+                         f"{config.device} give --dp and --sp")
+    world = config.auto_world or 1
+    goal = config.goal_for(config.layout)
+    d = family_of(config.model).defaults
+    job = JobShape(d.width, d.height, d.num_frames, d.num_inference_steps)
+    profile, source = load_or_measure(config.model, settings.data_dir)
+    result = plan(profile, world, job, tokens=job.tokens(config.model),
+                  heads=heads_of(config.model))
+    best, runner_up = choose(result, goal)
+    reason = result.reasons["latency" if goal == "latency" else "throughput"]
+    log.info("layout auto for %d rank(s), goal %s, job %s: %s (predicted %.3g s a job, %.0f "
+             "jobs/h); runner-up %s (%.3g s, %.0f jobs/h). %s. Profile: %s", world, goal, job,
+             best.layout, best.latency_seconds, best.jobs_per_hour, runner_up.layout,
+             runner_up.latency_seconds, runner_up.jobs_per_hour, reason, source)
+    return replace(config, dp=best.dp, sp=best.sp, use_allgather=best.mode == "allgather",
+                   auto_world=None,
+                   plan={"goal": goal, "world": world, "job": str(job), "profile": source,
+                         "chosen": summary(best), "runner_up": summary(runner_up),
+                         "reason": reason})
 
 
 def new_group_id() -> str:

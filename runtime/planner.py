@@ -55,7 +55,7 @@ MODES = ("allgather", "rank-local")
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
+class JobShape:
     """A job shape: ``WxHxFRAMESxSTEPS``."""
 
     width: int = 64
@@ -64,7 +64,7 @@ class Job:
     steps: int = 4
 
     @classmethod
-    def parse(cls, text: str) -> Job:
+    def parse(cls, text: str) -> JobShape:
         parts = text.lower().split("x")
         if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"a job is WIDTHxHEIGHTxFRAMESxSTEPS such as 64x64x9x4, got {text!r}")
@@ -104,7 +104,7 @@ class Measured:
     dlo: dict[str, Any] = field(default_factory=dict)  # rank 0's engine figures
 
 
-def _measure_on_rank(ctx: RankContext, model: str, layout: Layout, mode: str, job: Job,
+def _measure_on_rank(ctx: RankContext, model: str, layout: Layout, mode: str, job: JobShape,
                      steps: int) -> dict[str, Any]:
     _, framework, _ = memory_figures()
     pipe = load_pipeline(model, device="cpu", use_allgather=mode == "allgather",
@@ -139,7 +139,7 @@ def _measure_on_rank(ctx: RankContext, model: str, layout: Layout, mode: str, jo
             "framework": framework, "host": host_bytes, "dlo": stats}
 
 
-def measure_layout(model: str, layout: Layout, mode: str, job: Job, *, steps: int = 3,
+def measure_layout(model: str, layout: Layout, mode: str, job: JobShape, *, steps: int = 3,
                    timeout_s: float = 900.0) -> Measured:
     """Run ``job`` on every replica of ``layout`` for ``steps`` steps (one torch thread per
     rank) and measure it."""
@@ -315,10 +315,10 @@ def heads_of(model: str) -> int | None:
     return _transformer_config(model).get("num_attention_heads")
 
 
-def measure_profile(model: str, *, jobs: tuple[Job, Job] | None = None,
+def measure_profile(model: str, *, jobs: tuple[JobShape, JobShape] | None = None,
                     steps: int = 3) -> Profile:
     """About a minute on two CPU ranks for a ~1 GB model (seconds for kiln-tiny)."""
-    small, large = jobs or (Job(64, 64, 5, steps), Job(128, 128, 5, steps))
+    small, large = jobs or (JobShape(64, 64, 5, steps), JobShape(128, 128, 5, steps))
     two = Layout(dp=2, sp=1)
     runs = {(job, mode): measure_layout(model, two, mode, job, steps=steps)
             for job in (small, large) for mode in MODES}
@@ -415,7 +415,7 @@ class Prediction:
         return f"dp={self.dp} x sp={self.sp} {self.mode}"
 
 
-def predict(p: Profile, layout: Layout, mode: str, job: Job, *, tokens: int,
+def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int,
             resident_blocks: int = 0, threads: int = 1) -> Prediction:
     w = layout.world
     shard = math.ceil(tokens / layout.sp)
@@ -477,7 +477,7 @@ class Plan:
     reasons: dict[str, str]
 
 
-def plan(p: Profile, world: int, job: Job, *, tokens: int, heads: int | None = None,
+def plan(p: Profile, world: int, job: JobShape, *, tokens: int, heads: int | None = None,
          device_budget: int | None = None) -> Plan:
     """Every layout of ``world`` ranks in both modes, the best for one job's latency and for
     jobs per hour, and why in words."""
@@ -495,6 +495,25 @@ def plan(p: Profile, world: int, job: Job, *, tokens: int, heads: int | None = N
     return Plan(predictions=preds, best_latency=fast, best_throughput=many,
                 reasons={"latency": _why_latency(fast, preds),
                          "throughput": _why_throughput(many, preds)})
+
+
+def choose(result: Plan, goal: str) -> tuple[Prediction, Prediction]:
+    """The layout a group with ``goal`` ("latency": one job's latency; "throughput": jobs per
+    hour) should run, and the runner-up."""
+    if goal == "latency":
+        ranked = sorted(result.predictions, key=lambda x: (x.latency_seconds, x.host_bytes))
+    else:
+        ranked = sorted(result.predictions, key=lambda x: (-x.jobs_per_hour, x.host_bytes))
+    return ranked[0], ranked[1] if len(ranked) > 1 else ranked[0]
+
+
+def summary(p: Prediction) -> dict[str, Any]:
+    """A prediction's figures, as a group reports its plan."""
+    return {"layout": p.layout, "dp": p.dp, "sp": p.sp, "mode": p.mode,
+            "step_seconds": round(p.step_seconds, 4),
+            "latency_seconds": round(p.latency_seconds, 4),
+            "jobs_per_hour": round(p.jobs_per_hour, 1), "host_bytes": p.host_bytes,
+            "device_bytes": p.device_bytes}
 
 
 def _why_latency(best: Prediction, preds: list[Prediction]) -> str:

@@ -238,6 +238,9 @@ class WorkerGroup(Base):
     # "latency" (interactive jobs first) | "throughput" (batch jobs first); None: a group that
     # reported none (before goals)
     goal: Mapped[str | None] = mapped_column(String(32))
+    # `kiln worker --layout auto`: the layout chosen and the runner-up, with their predicted
+    # figures (runtime.planner); None when the layout was given.
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     platform: Mapped[str] = mapped_column(String(32))  # "cuda" | "npu" | "cpu"
     dp_size: Mapped[int]
     world_size: Mapped[int]

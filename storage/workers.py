@@ -25,6 +25,7 @@ class GroupReport:
     dp_size: int
     world_size: int
     goal: str | None = None  # "latency" | "throughput": the class of jobs it takes first
+    plan: dict[str, Any] | None = None  # --layout auto: the chosen layout and the runner-up
     state: str = "ready"  # "starting" | "ready" | "degraded" | "stopping" | "stopped"
     reason: str | None = None  # why, when degraded (a server out, say)
     # Per rank: rank, device, device_mem_used_bytes, device_mem_total_bytes, host_mem_bytes, job_id
@@ -40,7 +41,7 @@ def report_group(session: Session, report: GroupReport, *, now: datetime | None 
         session.add(group)
     group.name, group.host, group.model = report.name, report.host, report.model
     group.mode, group.platform, group.state = report.mode, report.platform, report.state
-    group.state_reason, group.goal = report.reason, report.goal
+    group.state_reason, group.goal, group.plan = report.reason, report.goal, report.plan
     group.dp_size, group.world_size = report.dp_size, report.world_size
     group.ranks = list(report.ranks)
     group.heartbeat_at = now

@@ -42,7 +42,7 @@ def list_workers(user: CurrentUser, session: SessionDep,
         data.append(WorkerGroupPublic(
             id=group.id, name=group.name, host=group.host, model=group.model, mode=group.mode,
             platform=group.platform, dp_size=group.dp_size, sp_size=sp, goal=group.goal,
-            world_size=group.world_size, replicas=replicas,
+            plan=group.plan, world_size=group.world_size, replicas=replicas,
             state=group.state, reason=group.state_reason, stale=stale,
             started_at=group.started_at,
             heartbeat_at=group.heartbeat_at, ranks=ranks,

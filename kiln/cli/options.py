@@ -25,6 +25,28 @@ GoalOption = Annotated[str | None, typer.Option(
     show_default=False)]
 
 
+LayoutOption = Annotated[str, typer.Option(
+    help="'given': --dp and --sp as given; 'auto': the layout planner (kiln plan) chooses dp, sp "
+         "and the mode for --world ranks by --goal, from a profile of this machine and model.")]
+WorldOption = Annotated[int | None, typer.Option(
+    min=1, help="With --layout auto: the ranks to plan for (default: dp x sp).",
+    show_default=False)]
+
+
+def parse_layout(layout: str, world: int | None, dp: int, sp: int) -> int | None:
+    """The ranks ``--layout auto`` plans for, or None for the layout given."""
+    if layout not in ("given", "auto"):
+        raise typer.BadParameter(f"--layout is 'given' or 'auto', got {layout!r}",
+                                 param_hint="--layout")
+    if layout == "given":
+        if world is not None and world != dp * sp:
+            raise typer.BadParameter(f"--world {world} is not --dp {dp} x --sp {sp}; with "
+                                     "--layout auto the planner chooses them",
+                                     param_hint="--world")
+        return None
+    return world or dp * sp
+
+
 def parse_goal(value: str | None) -> str | None:
     """``--goal`` as the worker takes it; a bad value is a usage error."""
     if value is not None and value not in GOAL_PREFERS:

@@ -39,7 +39,7 @@ def plan(
     (cached; measured again when stale), and mark the best for latency and for throughput."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
     from common.families import family_of
-    from runtime.planner import Job, heads_of, load_or_measure, memory_table
+    from runtime.planner import JobShape, heads_of, load_or_measure, memory_table
     from runtime.planner import plan as make_plan
 
     if device != "cpu":
@@ -48,8 +48,8 @@ def plan(
                                  param_hint="--device")
     defaults = family_of(model).defaults
     try:
-        shape = (Job.parse(job) if job else
-                 Job(defaults.width, defaults.height, defaults.num_frames,
+        shape = (JobShape.parse(job) if job else
+                 JobShape(defaults.width, defaults.height, defaults.num_frames,
                      defaults.num_inference_steps))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--job") from exc

@@ -34,9 +34,12 @@ from kiln.cli.options import (
     Device,
     DeviceBudgetOption,
     GoalOption,
+    LayoutOption,
     Model,
+    WorldOption,
     device_budget,
     parse_goal,
+    parse_layout,
 )
 from scheduler.policy import DEFAULT_GOAL
 
@@ -363,6 +366,8 @@ def up(
         help="Ranks per replica, splitting its job's token sequence.")] = 1,
     budget: DeviceBudgetOption = "auto",
     goal: GoalOption = None,
+    layout: LayoutOption = "given",
+    world: WorldOption = None,
     model: Model = "kiln-tiny",
     device: Device = "cpu",
     celery: Annotated[bool, typer.Option(help="Also run the Celery side work.")] = True,
@@ -373,6 +378,7 @@ def up(
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""
     device_budget(budget)  # a bad value is refused before anything starts
     parse_goal(goal)
+    auto_world = parse_layout(layout, world, dp, sp)
     if dp < 1 or sp < 1:
         raise typer.BadParameter(f"--dp and --sp must be >= 1, got dp={dp}, sp={sp}")
     # Here, not at the top: Alembic and SQLAlchemy load only for `kiln up`.
@@ -431,13 +437,16 @@ def up(
         supervisor.start(Child(
             "worker", [_KILN, "worker", "--dp", str(dp), "--sp", str(sp), "--model", model,
                        "--device", device, "--device-budget", budget,
-                       *(["--goal", goal] if goal else [])],
+                       *(["--goal", goal] if goal else []),
+                       *(["--layout", "auto", "--world", str(auto_world)] if auto_world else [])],
             env, log("worker")))
         if celery:
             supervisor.start(Child("celery", [_KILN, "celery"], env, log("celery")))
         typer.echo(f"api       {api_url}   (docs: {api_url}/docs, workers: {api_url}/v1/workers)")
-        typer.echo(f"worker    {dp * sp} rank(s) (dp={dp} x sp={sp}), model {model}, "
-                   f"device {device}, goal {goal or DEFAULT_GOAL}")
+        shape = (f"{auto_world} rank(s), layout planned (see /v1/workers)" if auto_world
+                 else f"{dp * sp} rank(s) (dp={dp} x sp={sp})")
+        typer.echo(f"worker    {shape}, model {model}, device {device}, "
+                   f"goal {goal or DEFAULT_GOAL}")
         typer.echo(f"admin key {key}   (also in {key_file})")
         if verbose:
             typer.echo(f"logs      here (redis: {logs / 'redis.log'})")

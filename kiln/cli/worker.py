@@ -12,9 +12,12 @@ from kiln.cli.options import (
     Device,
     DeviceBudgetOption,
     GoalOption,
+    LayoutOption,
     Model,
+    WorldOption,
     device_budget,
     parse_goal,
+    parse_layout,
 )
 
 app = typer.Typer()
@@ -39,6 +42,8 @@ def worker(
                     "started again.")] = 600.0,
     budget: DeviceBudgetOption = "auto",
     goal: GoalOption = None,
+    layout: LayoutOption = "given",
+    world: WorldOption = None,
 ) -> None:
     """Load the model once on dp x sp ranks, then render queued jobs until stopped (Ctrl-C)."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
@@ -49,10 +54,15 @@ def worker(
     if dp < 1 or sp < 1:
         raise typer.BadParameter(f"--dp and --sp must be >= 1, got dp={dp}, sp={sp}")
     config = WorkerConfig(dp=dp, sp=sp, goal=parse_goal(goal),
+                          auto_world=parse_layout(layout, world, dp, sp),
                           device_budget=device_budget(budget), model=model,
                           device=device, use_allgather=allgather,
                           drain_seconds=drain_seconds,
                           collective_timeout_seconds=collective_timeout_seconds)
     # The launcher's own lines (restarts, the attempts it ends) beside the ranks' "[rank N]".
     logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
-    raise typer.Exit(run_worker(get_settings(), config))
+    try:
+        code = run_worker(get_settings(), config)
+    except ValueError as exc:  # e.g. --layout auto where it cannot plan
+        raise typer.BadParameter(str(exc)) from exc
+    raise typer.Exit(code)

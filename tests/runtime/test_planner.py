@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from common.settings import Settings
 from kiln.cli import app
 from runtime.planner import (
-    Job,
+    JobShape,
     Profile,
     checkpoint_fingerprint,
     layouts_of,
@@ -44,10 +44,10 @@ def _profile(**changes: object) -> Profile:
 
 
 def test_a_job_shape_is_widthxheightxframesxsteps():
-    assert Job.parse("256x128x17x30") == Job(256, 128, 17, 30)
-    assert Job(64, 64, 9, 4).tokens("kiln-tiny") == 48
+    assert JobShape.parse("256x128x17x30") == JobShape(256, 128, 17, 30)
+    assert JobShape(64, 64, 9, 4).tokens("kiln-tiny") == 48
     with pytest.raises(ValueError, match="WIDTHxHEIGHTxFRAMESxSTEPS"):
-        Job.parse("64x64x9")
+        JobShape.parse("64x64x9")
 
 
 def test_layouts_are_every_dp_x_sp_of_the_world_that_the_heads_allow():
@@ -57,7 +57,7 @@ def test_layouts_are_every_dp_x_sp_of_the_world_that_the_heads_allow():
 
 def test_host_memory_is_the_weights_once_plus_a_constant_per_rank():
     p = _profile()
-    job = Job()
+    job = JobShape()
     two = predict(p, Layout(dp=2), "allgather", job, tokens=400)
     four = predict(p, Layout(dp=4), "allgather", job, tokens=400)
     per_rank = p.framework_bytes + p.per_rank_bytes["allgather"]
@@ -67,28 +67,28 @@ def test_host_memory_is_the_weights_once_plus_a_constant_per_rank():
 
 def test_a_split_job_computes_its_share_and_pays_for_its_all_to_alls():
     p = _profile()
-    alone = predict(p, Layout(dp=1, sp=1), "rank-local", Job(), tokens=400)
-    split = predict(p, Layout(dp=1, sp=2), "rank-local", Job(), tokens=400)
+    alone = predict(p, Layout(dp=1, sp=1), "rank-local", JobShape(), tokens=400)
+    split = predict(p, Layout(dp=1, sp=2), "rank-local", JobShape(), tokens=400)
     assert split.compute_seconds == pytest.approx(10 * (0.01 + 0.001 * 200))
     assert alone.compute_seconds == pytest.approx(10 * (0.01 + 0.001 * 400))
     assert split.exchange_seconds > 0 and alone.exchange_seconds == 0
     assert split.latency_seconds < alone.latency_seconds
     # An all-gather adds the bytes a rank receives; rank-local copies are in the compute fit.
-    gathered = predict(p, Layout(dp=2), "allgather", Job(), tokens=400)
-    local = predict(p, Layout(dp=2), "rank-local", Job(), tokens=400)
+    gathered = predict(p, Layout(dp=2), "allgather", JobShape(), tokens=400)
+    local = predict(p, Layout(dp=2), "rank-local", JobShape(), tokens=400)
     assert gathered.step_seconds - local.step_seconds == pytest.approx(GB / 2 * 1e-9)
 
 
 def test_more_ranks_than_cores_share_them_and_wait_at_each_collective():
     p = _profile(cores=2)
-    four = predict(p, Layout(dp=1, sp=4), "rank-local", Job(), tokens=400)
+    four = predict(p, Layout(dp=1, sp=4), "rank-local", JobShape(), tokens=400)
     assert four.compute_seconds == pytest.approx(2 * 10 * (0.01 + 0.001 * 100))
     assert four.exchange_seconds >= 10 * 4 * 0.02  # four all-to-alls per block, each waiting
 
 
 def test_the_plan_marks_the_best_layouts_and_says_why():
     p = _profile()
-    result = plan(p, 4, Job(), tokens=4000, heads=8)
+    result = plan(p, 4, JobShape(), tokens=4000, heads=8)
     assert len(result.predictions) == 6  # 3 layouts x 2 modes
     assert result.best_latency.sp == 4  # long sequences: splitting wins one job's latency
     assert result.best_throughput.sp == 1  # replicas: the most jobs per hour
