@@ -416,10 +416,21 @@ class Prediction:
 
 
 def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int,
-            resident_blocks: int = 0, threads: int = 1) -> Prediction:
+            resident_blocks: int = 0, threads: int = 1, nodes: int = 1,
+            inter_node_bytes_per_second: float = 25e9 / 8) -> Prediction:
+    """``nodes``: machines the ranks are spread over, each like this one (the profile's), in
+    rank order; a collective that crosses machines runs at the slower of this machine's rate
+    and ``inter_node_bytes_per_second`` (default 25 Gb/s)."""
     w = layout.world
     shard = math.ceil(tokens / layout.sp)
-    crowding = max(1.0, w * threads / p.cores)  # ranks beyond the cores share them
+    per_node = math.ceil(w / nodes)
+    crowding = max(1.0, per_node * threads / p.cores)  # ranks beyond the cores share them
+    link = 1 / inter_node_bytes_per_second
+    gather_rate = max(p.gather_seconds_per_byte, link) if nodes > 1 else p.gather_seconds_per_byte
+    # A replica's ranks are consecutive: its all-to-alls cross machines only when it is wider
+    # than one machine's share of the ranks.
+    a2a_rate = (max(p.all_to_all_seconds_per_byte, link) if layout.sp > per_node
+                else p.all_to_all_seconds_per_byte)
     a, b = p.block_seconds
     compute = (a + b * shard) * crowding / threads
     per_block = p.block_bytes / p.num_blocks
@@ -427,19 +438,18 @@ def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int
     # On the CPU a transfer runs on the cores the compute needs, so it adds to the step rather
     # than hiding behind it: an all-gather costs the bytes a rank receives at the measured rate;
     # a rank-local copy is cheap and already inside the fitted compute.
-    transfer = (p.gather_latency_seconds + per_block * (w - 1) / w * p.gather_seconds_per_byte
+    transfer = (p.gather_latency_seconds + per_block * (w - 1) / w * gather_rate
                 if mode == "allgather" and w > 1 else 0.0)
     collectives = (1 if transfer else 0) + (4 if layout.sp > 1 else 0)  # per block
     exchange = 0.0
     if layout.sp > 1:
         sent = shard * p.activation_bytes_per_token * (layout.sp - 1) / layout.sp
-        exchange = 4 * (p.all_to_all_latency_seconds + sent * p.all_to_all_seconds_per_byte)
+        exchange = 4 * (p.all_to_all_latency_seconds + sent * a2a_rate)
     # More ranks than cores: every lock-step collective waits for each rank to be scheduled.
     waits = collectives * p.crowded_collective_seconds * (crowding - 1)
     step = p.num_blocks * (compute + exchange + waits) + streamed * transfer
     if layout.sp > 1:  # the shards gathered after the last block
-        step += (p.gather_latency_seconds
-                 + shard * p.activation_bytes_per_token * p.gather_seconds_per_byte)
+        step += p.gather_latency_seconds + shard * p.activation_bytes_per_token * a2a_rate
     pixels = job.width * job.height * job.num_frames
     overhead = p.prepare_seconds + p.decode_seconds * pixels / max(1, p.decode_pixels)
     latency = job.steps * step + overhead * crowding
@@ -452,7 +462,10 @@ def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int
     if transfer > compute + exchange and streamed:
         notes.append("transfer-bound: a block's gather takes longer than its compute")
     if crowding > 1:
-        notes.append(f"{w} ranks on {p.cores} cores: compute shares them ({crowding:.1f}x)")
+        notes.append(f"{per_node} ranks on {p.cores} cores: compute shares them "
+                     f"({crowding:.1f}x)")
+    if nodes > 1 and gather_rate > p.gather_seconds_per_byte:
+        notes.append(f"gathers cross {nodes} machines at the link's rate")
     return Prediction(
         dp=layout.dp, sp=layout.sp, mode=mode, resident_blocks=resident_blocks,
         host_bytes=int(host_total + resident * w),
@@ -478,9 +491,10 @@ class Plan:
 
 
 def plan(p: Profile, world: int, job: JobShape, *, tokens: int, heads: int | None = None,
-         device_budget: int | None = None) -> Plan:
-    """Every layout of ``world`` ranks in both modes, the best for one job's latency and for
-    jobs per hour, and why in words."""
+         device_budget: int | None = None, nodes: int = 1,
+         inter_node_bytes_per_second: float = 25e9 / 8) -> Plan:
+    """Every layout of ``world`` ranks (over ``nodes`` machines) in both modes, the best for one
+    job's latency and for jobs per hour, and why in words."""
     per_block = p.block_bytes / p.num_blocks
     preds = []
     for layout in layouts_of(world, heads):
@@ -489,7 +503,9 @@ def plan(p: Profile, world: int, job: JobShape, *, tokens: int, heads: int | Non
             if device_budget:
                 room = device_budget - 2 * p.max_block_bytes
                 resident = min(p.num_blocks, max(0, int(room // per_block)))
-            preds.append(predict(p, layout, mode, job, tokens=tokens, resident_blocks=resident))
+            preds.append(predict(p, layout, mode, job, tokens=tokens, resident_blocks=resident,
+                                 nodes=nodes,
+                                 inter_node_bytes_per_second=inter_node_bytes_per_second))
     fast = min(preds, key=lambda x: (x.latency_seconds, x.host_bytes))
     many = max(preds, key=lambda x: (x.jobs_per_hour, -x.host_bytes))
     return Plan(predictions=preds, best_latency=fast, best_throughput=many,

@@ -28,6 +28,11 @@ def plan(
                                              "and npu are not profiled yet).")] = "cpu",
     job: Annotated[str, typer.Option(help="The job shape to plan for: "
                                           "WIDTHxHEIGHTxFRAMESxSTEPS.")] = "",
+    nodes: Annotated[int, typer.Option(
+        min=1, help="Machines the ranks span (torchrun --nnodes), each like this one.")] = 1,
+    inter_node_gbps: Annotated[float, typer.Option(
+        min=0.001, help="With --nodes > 1: the link between machines, Gb/s; a gather or "
+                        "all-to-all that crosses it runs at its rate.")] = 25.0,
     remeasure: Annotated[bool, typer.Option(help="Measure the profile again.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     memory: Annotated[bool, typer.Option(
@@ -56,7 +61,8 @@ def plan(
     console = Console(stderr=True)
     with console.status("profiling this machine and model (two CPU ranks)..."):
         profile, source = load_or_measure(model, get_settings().data_dir, remeasure=remeasure)
-    result = make_plan(profile, world, shape, tokens=shape.tokens(model), heads=heads_of(model))
+    result = make_plan(profile, world, shape, tokens=shape.tokens(model), heads=heads_of(model),
+                       nodes=nodes, inter_node_bytes_per_second=inter_node_gbps * 1e9 / 8)
     if as_json:
         typer.echo(json.dumps({
             "model": model, "world": world, "job": str(shape), "profile": source,

@@ -86,6 +86,22 @@ def test_more_ranks_than_cores_share_them_and_wait_at_each_collective():
     assert four.exchange_seconds >= 10 * 4 * 0.02  # four all-to-alls per block, each waiting
 
 
+def test_gathers_across_machines_run_at_the_link_between_them():
+    p = _profile(gather_seconds_per_byte=1e-11)  # fast on one machine
+    one = predict(p, Layout(dp=4), "allgather", JobShape(), tokens=400)
+    two = predict(p, Layout(dp=4), "allgather", JobShape(), tokens=400, nodes=2,
+                  inter_node_bytes_per_second=1e9)
+    per_block = p.block_bytes / p.num_blocks * 3 / 4  # what a rank of four receives
+    assert two.transfer_seconds == pytest.approx(p.num_blocks * per_block * 1e-9)
+    assert one.transfer_seconds == pytest.approx(p.num_blocks * per_block * 1e-11)
+    # A replica within one machine's ranks exchanges at the machine's rate.
+    inside = predict(p, Layout(dp=2, sp=2), "rank-local", JobShape(), tokens=400, nodes=2,
+                     inter_node_bytes_per_second=1e6)
+    across = predict(p, Layout(dp=1, sp=4), "rank-local", JobShape(), tokens=400, nodes=2,
+                     inter_node_bytes_per_second=1e6)
+    assert across.exchange_seconds > 100 * inside.exchange_seconds
+
+
 def test_the_plan_marks_the_best_layouts_and_says_why():
     p = _profile()
     result = plan(p, 4, JobShape(), tokens=4000, heads=8)
