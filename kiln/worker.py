@@ -277,8 +277,14 @@ class Coordinator:
         self.leases.stop()
         if not failed:
             self.give_back()
+        elif under_torchrun():
+            # No launcher of ours will end the attempts (torchrun starts every node's ranks):
+            # they go back now, uncharged (which rank failed is not known here), rather than
+            # being charged by the reaper when their leases lapse.
+            self.give_back(Ending(outcome="failed", error="a rank of its worker group failed",
+                                  code="group_failed", retryable=True, charged=False))
         # else the launcher ends the attempts, charging the job of the rank that died
-        # (`recover_attempts`); without a launcher (torchrun) the leases lapse.
+        # (`recover_attempts`).
         self.report([memory], state="stopped")
 
     # The plan for the next step.
@@ -501,10 +507,10 @@ class Coordinator:
             except Exception as exc:  # the next report says it again
                 self._outage(session, exc)
 
-    def give_back(self) -> None:
+    def give_back(self, stopped: Ending | None = None) -> None:
         """On the way out: jobs still running go back to the queue (the worker stopped)."""
-        stopped = Ending(outcome="failed", error="the worker group stopped",
-                         code="worker_stopped", retryable=True, charged=False)
+        stopped = stopped or Ending(outcome="failed", error="the worker group stopped",
+                                    code="worker_stopped", retryable=True, charged=False)
         attempts = [(t.job_id, t.attempt_token) for t in self.running.values()]
         attempts += [(job_id, st.attempt_token) for job_id, st in self.writing.items()]
         deadline = time.monotonic() + GIVE_BACK_SECONDS
@@ -626,7 +632,8 @@ def run_worker(settings: Settings, config: WorkerConfig,
         config = plan_layout(settings, config)
     layout = config.layout  # checks dp and sp
     if under_torchrun():
-        run_this_rank(serve_rank, settings, config, device=config.device)
+        run_this_rank(serve_rank, settings, config, device=config.device,
+                      collective_timeout_s=config.collective_timeout_seconds)
         return 0
     restarts: list[float] = []
     backoff = 1.0

@@ -111,15 +111,17 @@ def init_process_group(rank: int, world: int, device: str,
     dist.init_process_group(BACKENDS[device], rank=rank, world_size=world, **timeout)
 
 
-def run_this_rank(fn: Callable[..., Any], *args: Any, device: str = "cpu") -> Any:
+def run_this_rank(fn: Callable[..., Any], *args: Any, device: str = "cpu",
+                  collective_timeout_s: float | None = None) -> Any:
     """Under torchrun: this process is one rank of the group; runs ``fn`` and returns its result.
     Messages go nowhere (there is no launcher process to read them); SIGINT or SIGTERM (torchrun
-    passes its own on) sets ``ctx.stop``."""
+    passes its own on) sets ``ctx.stop``; ``collective_timeout_s`` bounds every collective (a
+    node that vanished makes the others raise instead of waiting out torch's default)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     stop = _Stop(_Never())
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop.on_signal)
-    init_process_group(rank, world, device)
+    init_process_group(rank, world, device, timeout_s=collective_timeout_s)
     try:
         ctx = RankContext(rank=rank, world=world, device=device, messages=_Discard(), stop=stop)
         return fn(ctx, *args)
