@@ -69,8 +69,9 @@ def test_sigterm_to_the_group_drains_then_hands_the_job_back_uncharged_every_tim
 
 
 LEASE = 5  # seconds; the setting's minimum
-# One step of this takes ~20 s on a 2-core CPU: four leases.
-SLOW = dict(width=640, height=640, num_frames=49, fps=8, num_inference_steps=1)
+# One step of this takes ~30 s on a 2-core CPU (29,040 tokens, the guidance pair as one
+# batch-2 forward): six leases, so the test sees two and a half of them pass within the step.
+SLOW = dict(width=704, height=704, num_frames=57, fps=8, num_inference_steps=1)
 
 
 def test_a_step_longer_than_the_lease_keeps_its_job_while_the_group_lives(

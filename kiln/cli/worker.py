@@ -53,6 +53,9 @@ def worker(
         raise typer.BadParameter(f"--device must be cpu, cuda or npu, got {device!r}")
     if dp < 1 or sp < 1:
         raise typer.BadParameter(f"--dp and --sp must be >= 1, got dp={dp}, sp={sp}")
+    if layout == "auto" and device != "cpu":
+        raise typer.BadParameter(f"--layout auto plans from a profile measured on CPU ranks; on "
+                                 f"{device} give --dp and --sp", param_hint="--layout")
     config = WorkerConfig(dp=dp, sp=sp, goal=parse_goal(goal),
                           auto_world=parse_layout(layout, world, dp, sp),
                           device_budget=device_budget(budget), model=model,
@@ -61,8 +64,4 @@ def worker(
                           collective_timeout_seconds=collective_timeout_seconds)
     # The launcher's own lines (restarts, the attempts it ends) beside the ranks' "[rank N]".
     logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
-    try:
-        code = run_worker(get_settings(), config)
-    except ValueError as exc:  # e.g. --layout auto where it cannot plan
-        raise typer.BadParameter(str(exc)) from exc
-    raise typer.Exit(code)
+    raise typer.Exit(run_worker(get_settings(), config))
