@@ -19,9 +19,10 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import KeyCache
 from api.errors import BodySizeLimit, install_error_handlers
+from api.events import StreamCount
 from api.jobs import QueueRoom
 from api.metrics import make_registry
-from api.routes import batches, dashboard, jobs, system, videos
+from api.routes import batches, dashboard, events, jobs, system, videos
 from common.settings import Settings, get_settings
 from scheduler import queue_index
 from storage.db import make_engine, make_session_factory
@@ -87,6 +88,7 @@ def create_app(
     app.state.reconcile = reconcile
     app.state.key_cache = KeyCache(settings.api_key_cache_seconds)
     app.state.queue_room = QueueRoom()
+    app.state.event_streams = StreamCount()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        per_path={"/v1/batches": settings.max_batch_body_bytes})
@@ -95,6 +97,7 @@ def create_app(
     app.include_router(videos.router)
     app.include_router(system.router)
     app.include_router(dashboard.router)
+    app.include_router(events.router)
     return app
 
 

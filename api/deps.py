@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import Depends, HTTPException, Request, status
@@ -83,16 +83,50 @@ async def get_current_user(request: Request, session: SessionDep) -> User:
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise _unauthorized("Authorization must be 'Bearer <key>'")
+    return await _user_for_key(request, key.strip(), session)
+
+
+async def _user_for_key(request: Request, key: str, session: Session | None) -> User:
+    """The key's user, from the cache or (in the thread pool) the database; ``session`` None:
+    a session of its own, closed before this returns."""
     cache: KeyCache = request.app.state.key_cache
-    key = key.strip()
     cached = cache.get(key)
     if cached is not None:
         return cached
-    user = await run_in_threadpool(_authenticate, session, key)
+    if session is None:
+        user = await run_in_threadpool(_authenticate_alone, request.app.state.session_factory,
+                                       key)
+    else:
+        user = await run_in_threadpool(_authenticate, session, key)
     if user is None:
         raise _unauthorized("invalid or revoked API key")
     cache.put(key, user)
     return user
+
+
+async def get_stream_user(request: Request) -> User:
+    """The user of a long-lived stream (``GET /v1/events``): the Bearer key, or the ``key`` query
+    parameter (a browser's EventSource cannot set headers). It holds no session: the stream
+    must not keep a database connection."""
+    header = request.headers.get("authorization")
+    if header:
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise _unauthorized("Authorization must be 'Bearer <key>'")
+    else:
+        key = request.query_params.get("key", "")
+        if not key.strip():
+            raise _unauthorized("missing API key: send 'Authorization: Bearer <key>' or "
+                                "'?key=<key>'")
+    return await _user_for_key(request, key.strip(), None)
+
+
+def _authenticate_alone(session_factory: Any, key: str) -> User | None:
+    with session_factory() as session:
+        user = authenticate(session, key)
+        if user is not None:
+            session.expunge(user)
+        return user
 
 
 def _authenticate(session: Session, key: str) -> User | None:

@@ -63,6 +63,13 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8000, ge=1, le=65535)
     # The Retry-After of a 503 the API answers while the database or Redis is unreachable.
     unavailable_retry_after_seconds: int = Field(default=5, ge=1)
+    # GET /v1/events: how often a stream looks for news (one short read each time, no connection
+    # held in between) and how often an idle stream sends a keep-alive comment.
+    events_poll_seconds: float = Field(default=0.5, gt=0)
+    events_heartbeat_seconds: float = Field(default=15.0, gt=0)
+    # At shutdown, requests still open after this long are cut off; without it an open event
+    # stream (a status page left open) would keep the API from stopping.
+    api_shutdown_grace_seconds: float = Field(default=5.0, ge=0)
 
     # Models a job may name; the first is used when a request names none.
     models: list[str] = Field(default_factory=lambda: ["kiln-tiny"], min_length=1)

@@ -71,3 +71,12 @@ def mark_stopped(session: Session, group_id: str, *, reason: str | None = None,
     group.state, group.state_reason = "stopped", reason
     group.heartbeat_at = now or utcnow()
     session.commit()
+
+
+def group_names(session: Session, group_ids: list[str]) -> dict[str, str]:
+    """The names of the groups among ``group_ids`` that are known (stopped ones included)."""
+    if not group_ids:
+        return {}
+    rows = session.execute(select(WorkerGroup.id, WorkerGroup.name)
+                           .where(WorkerGroup.id.in_(group_ids)))
+    return {group_id: name for group_id, name in rows}

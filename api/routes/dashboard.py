@@ -3,21 +3,31 @@
 The page itself needs no key (it holds no data); it asks for one, keeps it in the browser's local
 storage, and shows what that key may see: job counts by state, the worker groups with their ranks'
 memory and current jobs, the newest batches (counts by state, progress, window, ETA and a link to
-the report, from ``GET /v1/batches``) and the latest jobs with progress and thumbnails.
+the report, from ``GET /v1/batches``) and the latest jobs with progress and thumbnails, each
+linking to its job page.
+
+The job page, ``GET /dashboard/jobs/{id}``, is rendered on the server (`api.job_page`) for a
+request with a key; without one it is a shell whose script fetches the page again with the
+stored key (a browser sends no header when following a link) and swaps the job in.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import APIRouter
-from fastapi.responses import HTMLResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
-from api.deps import CurrentUser, SessionDep
-from storage import stats
-from storage.tables import utcnow
+from api import job_page
+from api.deps import CurrentUser, SessionDep, get_current_user
+from api.routes.jobs import JobId, visible_job
+from storage import queries, stats, workers
+from storage.tables import User, utcnow
 
 router = APIRouter(tags=["dashboard"])
 
@@ -41,3 +51,50 @@ def summary(user: CurrentUser, session: SessionDep) -> Summary:
     since = utcnow() - timedelta(hours=1)
     return Summary(jobs_by_state=stats.jobs_by_state(session, owner),
                    videos_last_hour=stats.videos_finished_since(session, since, owner))
+
+
+# The page holds user text (prompts, errors, metadata): it runs only kiln's own script.
+_PAGE_HEADERS = {"Content-Security-Policy": "script-src 'self'; object-src 'none'; "
+                                            "base-uri 'none'; frame-ancestors 'none'",
+                 "Cache-Control": "no-store"}
+
+
+async def _optional_user(request: Request, session: SessionDep) -> User | None:
+    if not request.headers.get("authorization"):
+        return None
+    return await get_current_user(request, session)
+
+
+@router.get("/dashboard/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
+async def job_detail_page(
+    job_id: JobId,
+    session: SessionDep,
+    user: Annotated[User | None, Depends(_optional_user)],
+) -> HTMLResponse:
+    """With a key: the job's page (404 for a job the key may not see). Without one: the shell
+    that loads it with the key kept in the browser."""
+    if user is None:
+        return HTMLResponse(job_page.page(None, job_id), headers=_PAGE_HEADERS)
+    main = await run_in_threadpool(_render_job, session, job_id, user)
+    return HTMLResponse(job_page.page(main, job_id), headers=_PAGE_HEADERS)
+
+
+def _render_job(session: Session, job_id: str, user: User) -> str:
+    job = visible_job(session, job_id, user)
+    events = queries.job_events(session, job.id)
+    groups = sorted({str(e.detail.get("worker_group_id")) for e in events
+                     if e.kind == "claimed" and (e.detail or {}).get("worker_group_id")})
+    names = workers.group_names(session, groups)
+    owner = None
+    if user.is_admin:
+        row = session.get(User, job.owner_id)
+        owner = row.name if row else None
+    main = job_page.render_main(job, events, names, owner=owner)
+    session.commit()  # ends the read transaction in this thread
+    return main
+
+
+@router.get("/dashboard/assets/job_page.js", include_in_schema=False)
+async def job_page_script() -> FileResponse:
+    return FileResponse(job_page.SCRIPT, media_type="text/javascript",
+                        headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,210 @@
+"""The job page (``GET /dashboard/jobs/{id}``), rendered on the server: the job's parameters, its
+timeline from ``job_events`` (created, each attempt with its worker group, rank and outcome,
+finished), its video and thumbnail, its error, and a cancel button.
+
+Every piece of user text goes through `html.escape`. The page's script (``job_page.js``, served
+by kiln) fetches the outputs with the key and keeps the page current from ``GET /v1/events``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from storage.tables import TERMINAL_STATES, Job, JobEvent, JobState
+
+_FRAME = Path(__file__).resolve().parent / "job_page.html"
+SCRIPT = Path(__file__).resolve().parent / "job_page.js"
+
+_OUTCOMES = {"requeued", "succeeded", "failed", "dead", "cancelled"}
+
+
+def _e(value: Any) -> str:
+    return escape("" if value is None else str(value), quote=True)
+
+
+def _time(at: datetime | None) -> str:
+    if at is None:
+        return '<span class="dim">—</span>'
+    iso = at.isoformat()
+    return f'<time datetime="{_e(iso)}">{_e(at.strftime("%Y-%m-%d %H:%M:%S UTC"))}</time>'
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+@dataclass
+class _Attempt:
+    started: JobEvent
+    ended: JobEvent | None = None
+
+
+def _why(detail: dict[str, Any]) -> str:
+    reason = detail.get("error") or detail.get("reason")
+    return f": {_e(reason)}" if reason else ""
+
+
+def _timeline(job: Job, events: Sequence[JobEvent], group_names: dict[str, str]) -> str:
+    attempts: dict[int, _Attempt] = {}
+    rows: list[str] = []
+
+    def row(at: datetime | None, what: str, cls: str = "") -> None:
+        rows.append(f'<li class="{cls}"><span class="when">{_time(at)}</span> {what}</li>')
+
+    for e in events:
+        if e.kind == "claimed":
+            attempts[e.attempt] = _Attempt(e)
+        elif e.kind in _OUTCOMES and e.attempt in attempts and attempts[e.attempt].ended is None:
+            attempts[e.attempt].ended = e
+    for e in events:
+        detail = e.detail or {}
+        kind = e.kind
+        if kind == "created":
+            batch = detail.get("batch_id")
+            row(e.at, "created" + (f' in batch <span class="mono">{_e(batch)}</span>'
+                                   if batch else ""), "queued")
+        elif kind == "claimed":
+            a = attempts[e.attempt]
+            group = detail.get("worker_group_id")
+            name = group_names.get(group or "", group)
+            where = f'worker group <span class="mono" title="{_e(group)}">{_e(name)}</span>'
+            if detail.get("rank") is not None:
+                where += f", rank {_e(detail['rank'])}"
+            if a.ended is None:
+                outcome = ('<span class="chip running">running</span>'
+                           if job.state == JobState.RUNNING and job.attempts == e.attempt
+                           else '<span class="dim">no outcome recorded</span>')
+            else:
+                took = _seconds((a.ended.at - e.at).total_seconds())
+                outcome = (f'<span class="chip {_e(a.ended.kind)}">{_e(a.ended.kind)}</span> '
+                           f'after {took}{_why(a.ended.detail or {})}')
+            row(e.at, f"attempt {e.attempt} on {where} → {outcome}", "attempt")
+        elif kind == "requeued":
+            if e.attempt in attempts and attempts[e.attempt].ended is e:
+                continue  # shown on its attempt's line
+            row(e.at, f"back in the queue{_why(detail)}", "queued")
+        elif kind in ("succeeded", "failed", "dead", "cancelled", "expired"):
+            extra = ""
+            if kind == "succeeded" and detail.get("render_seconds") is not None:
+                extra = f", rendered in {_seconds(float(detail['render_seconds']))}"
+            elif kind == "cancelled" and detail.get("at_step") is not None:
+                extra = f" at step {_e(detail['at_step'])}"
+            elif kind != "succeeded":
+                extra = _why(detail)
+            row(e.at, f'finished: <span class="chip {kind}">{kind}</span>{extra}', "finished")
+        elif kind == "cancel_requested":
+            row(e.at, f"cancel requested by {_e(detail.get('by'))}", "dim")
+        elif kind == "purged":
+            row(e.at, "video and thumbnail deleted (retention)", "dim")
+        else:
+            row(e.at, _e(kind), "dim")
+    if not rows:
+        return '<p class="empty">no events recorded</p>'
+    return f'<ol class="timeline">{"".join(rows)}</ol>'
+
+
+def _parameters(job: Job, owner: str | None) -> str:
+    size = f"{job.width}×{job.height}, {job.num_frames} frames at {job.fps} fps"
+    items: list[tuple[str, str]] = [
+        ("prompt", f'<div class="text">{_e(job.prompt)}</div>'),
+        ("negative prompt", f'<div class="text">{_e(job.negative_prompt)}</div>'
+         if job.negative_prompt else '<span class="dim">—</span>'),
+        ("model", f'<span class="mono">{_e(job.model)}</span>'),
+        ("size", _e(size)),
+        ("steps", _e(job.num_inference_steps)),
+        ("guidance scale", _e(job.guidance_scale)),
+        ("seed", f'<span class="mono">{_e(job.seed)}</span>'),
+        ("class · priority", f"{_e(job.class_)} · {_e(job.priority)}"),
+        ("attempts", f"{_e(job.attempts)} of {_e(job.max_attempts)}"),
+        ("submitted", _time(job.created_at)),
+        ("started", _time(job.started_at)),
+        ("finished", _time(job.finished_at)),
+    ]
+    if owner is not None:
+        items.insert(0, ("owner", _e(owner)))
+    if job.render_seconds is not None:
+        items.append(("render time", _seconds(job.render_seconds)))
+    if job.not_before or job.deadline:
+        items.append(("window", f"{_time(job.not_before)} → {_time(job.deadline)}"))
+    if job.batch_id:
+        line = f", line {_e(job.batch_index)}" if job.batch_index else ""
+        items.append(("batch", f'<span class="mono">{_e(job.batch_id)}</span>{line}'))
+    if job.webhook_url:
+        items.append(("webhook", f'<span class="mono">{_e(job.webhook_url)}</span>'))
+    if job.meta:
+        items.append(("metadata",
+                      f'<pre class="mono">{_e(json.dumps(job.meta, indent=1, sort_keys=True))}'
+                      "</pre>"))
+    cells = "".join(f"<tr><th>{label}</th><td>{value}</td></tr>" for label, value in items)
+    return f'<table class="params">{cells}</table>'
+
+
+def _media(job: Job) -> str:
+    if job.state != JobState.SUCCEEDED:
+        return ""
+    video = f"/v1/jobs/{job.id}/video"
+    thumb = f"/v1/jobs/{job.id}/thumbnail"
+    parts = []
+    if job.output_video_key:
+        poster = f' data-poster="{thumb}"' if job.output_thumbnail_key else ""
+        parts.append(f'<video controls preload="metadata" data-src="{video}"{poster} '
+                     f'width="{job.width}" height="{job.height}"></video>'
+                     f'<div><a href="{video}" data-download="{job.id}.mp4">download MP4</a></div>')
+    if job.output_thumbnail_key:
+        parts.append(f'<figure><img class="thumb" data-src="{thumb}" alt="thumbnail" '
+                     f'width="{job.width}" height="{job.height}">'
+                     "<figcaption>thumbnail</figcaption></figure>")
+    if not parts:
+        return '<p class="empty">the outputs have been deleted</p>'
+    return f'<section><h2>Video</h2><div class="media">{"".join(parts)}</div></section>'
+
+
+def render_main(job: Job, events: Sequence[JobEvent], group_names: dict[str, str], *,
+                owner: str | None = None) -> str:
+    """The ``<main>`` of the page for ``job``."""
+    state = job.state
+    total = job.progress_total or job.num_inference_steps
+    step = total if state == JobState.SUCCEEDED else min(job.progress_step, total)
+    pct = (100 * step / total) if total else 0.0
+    last_event = events[-1].id if events else 0
+    terminal = JobState(state) in TERMINAL_STATES
+    cancel = "" if terminal or job.cancel_requested else \
+        '<button id="cancel" type="button" class="danger">Cancel job</button>'
+    pending = ('<span class="dim">cancel requested; the job stops after its current step'
+               '</span>') if job.cancel_requested and not terminal else ""
+    error = ""
+    if job.error and state != JobState.SUCCEEDED:
+        label = "error" if terminal else "last attempt's error"
+        code = f' <span class="mono dim">({_e(job.error_code)})</span>' if job.error_code else ""
+        error = (f'<section><h2>{label}{code}</h2><pre class="error" id="job-error">'
+                 f"{_e(job.error)}</pre></section>")
+    return f"""<main data-job="{_e(job.id)}" data-state="{_e(state)}" data-last-event="{last_event}"
+    data-terminal="{'true' if terminal else 'false'}">
+  <section class="head">
+    <div><span class="chip {_e(state)}" id="state">{_e(state)}</span>
+      <span class="mono" id="job-id">{_e(job.id)}</span></div>
+    <div class="progress"><div class="bar {_e(state)}"><div id="bar" style="width:{pct:.0f}%">
+      </div></div><span class="dim" id="steps">{step}/{total} steps</span></div>
+    <div class="actions">{cancel}{pending}<span id="live" class="dim"></span></div>
+  </section>
+  {error}
+  {_media(job)}
+  <section><h2>Timeline</h2>{_timeline(job, events, group_names)}</section>
+  <section><h2>Parameters</h2>{_parameters(job, owner)}</section>
+</main>"""
+
+
+_SHELL_MAIN = ('<main data-shell="true"><p class="empty" id="shell">Loading… (this page needs '
+               "your API key: enter it above; it is kept in this browser)</p></main>")
+
+
+def page(main: str | None, title: str) -> str:
+    """The whole page around ``main`` (None: the shell that loads it with the stored key)."""
+    frame = _FRAME.read_text(encoding="utf-8")
+    return frame.replace("<!--TITLE-->", _e(title)).replace("<!--MAIN-->", main or _SHELL_MAIN)

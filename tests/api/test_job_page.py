@@ -1,0 +1,88 @@
+"""The job page, ``GET /dashboard/jobs/{id}``: rendered on the server for a key that may see the
+job, a shell without a key, a 404 for anyone else's job."""
+
+from __future__ import annotations
+
+from storage import lifecycle
+from storage.workers import GroupReport, report_group
+
+JOB = {"prompt": "a <b>red</b> circle", "width": 64, "height": 64, "num_frames": 9,
+       "num_inference_steps": 4, "metadata": {"project": "<teaser>"}}
+
+
+def _submit(api, who: str = "alice") -> str:  # noqa: ANN001
+    r = api.client.post("/v1/jobs", json=JOB, headers=api.auth(who))
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def test_a_finished_job_shows_its_video_thumbnail_parameters_and_timeline(api) -> None:  # noqa: ANN001
+    with api.session() as s:
+        report_group(s, GroupReport(id="test-group", name="group one", host="h",
+                                    model="kiln-tiny", mode="allgather", platform="cpu",
+                                    dp_size=1, world_size=1))
+    job = _submit(api)
+    api.finish(job)
+    r = api.client.get(f"/dashboard/jobs/{job}", headers=api.auth("alice"))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    assert f'<video controls preload="metadata" data-src="/v1/jobs/{job}/video"' in page
+    assert f'data-src="/v1/jobs/{job}/thumbnail"' in page
+    assert '<script src="/dashboard/assets/job_page.js"></script>' in page
+    assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+    # User text is escaped.
+    assert "a &lt;b&gt;red&lt;/b&gt; circle" in page and "<b>red</b>" not in page
+    assert "&lt;teaser&gt;" in page
+    # The timeline: created, the attempt with its group (by name), rank and outcome, finished.
+    timeline = page[page.index('<ol class="timeline">'):page.index("</ol>")]
+    assert timeline.index("created") < timeline.index("attempt 1 on worker group") \
+        < timeline.index("finished:")
+    assert 'title="test-group">group one</span>, rank 0' in timeline
+    assert '<span class="chip succeeded">succeeded</span> after' in timeline
+    assert 'id="cancel"' not in page and 'data-terminal="true"' in page
+    # The video route the page points at serves the file to the same key.
+    video = api.client.get(f"/v1/jobs/{job}/video", headers=api.auth("alice"))
+    assert video.status_code == 200 and video.content == b"mp4"
+
+
+def test_a_failed_job_shows_its_error(api) -> None:  # noqa: ANN001
+    job = _submit(api)
+    with api.session() as s:
+        claim = lifecycle.claim_job(s, job, worker_group_id="gone-group", rank=1,
+                                    lease_seconds=60)
+        assert claim is not None
+        lifecycle.fail_job(s, job, claim.attempt_token, error="out of memory: <4 GiB> free")
+    page = api.client.get(f"/dashboard/jobs/{job}", headers=api.auth("alice")).text
+    assert '<pre class="error" id="job-error">out of memory: &lt;4 GiB&gt; free</pre>' in page
+    assert "<video" not in page
+    assert 'title="gone-group">gone-group</span>, rank 1' in page  # a group no longer known
+    assert '<span class="chip failed">failed</span>' in page
+
+
+def test_a_running_job_has_a_cancel_button_and_its_page_goes_live(api) -> None:  # noqa: ANN001
+    job = _submit(api)
+    page = api.client.get(f"/dashboard/jobs/{job}", headers=api.auth("alice")).text
+    assert '<button id="cancel"' in page and 'data-terminal="false"' in page
+    assert 'data-last-event="' in page
+    script = api.client.get("/dashboard/assets/job_page.js")
+    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+    assert "new EventSource(`/v1/events?key=" in script.text
+    assert "/cancel`, { method: \"POST\" }" in script.text
+
+
+def test_anyone_elses_job_is_a_404_and_without_a_key_the_page_is_an_empty_shell(api) -> None:  # noqa: ANN001
+    job = _submit(api)
+    assert api.client.get(f"/dashboard/jobs/{job}", headers=api.auth("bob")).status_code == 404
+    assert api.client.get(f"/dashboard/jobs/{job}", headers=api.auth("root")).status_code == 200
+    assert api.client.get("/dashboard/jobs/nosuchjob",
+                          headers=api.auth("alice")).status_code == 404
+    shell = api.client.get(f"/dashboard/jobs/{job}")
+    assert shell.status_code == 200 and 'data-shell="true"' in shell.text
+    assert "circle" not in shell.text and "<table" not in shell.text  # holds no data
+    bad = api.client.get(f"/dashboard/jobs/{job}", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401
+
+
+def test_the_dashboard_links_its_jobs_to_their_pages(api) -> None:  # noqa: ANN001
+    page = api.client.get("/dashboard").text
+    assert '<a href="/dashboard/jobs/${encodeURIComponent(j.id)}">' in page
