@@ -216,6 +216,8 @@ def spec_from_job_create(body: JobCreate, s: Settings, now: datetime) -> JobSpec
         not_before=body.not_before,
         deadline=body.deadline,
         webhook_url=str(body.webhook_url) if body.webhook_url is not None else None,
+        webhook_events=(sorted(set(body.webhook_events))
+                        if body.webhook_events is not None else None),
         metadata=dict(body.metadata),
     )
     p = _Problems()
@@ -396,7 +398,8 @@ def job_public(job: Job, *, queue_position: int | None = None,
         num_frames=job.num_frames, fps=job.fps, num_inference_steps=job.num_inference_steps,
         guidance_scale=job.guidance_scale, seed=job.seed, job_class=job.class_,
         priority=job.priority, not_before=job.not_before, deadline=job.deadline,
-        webhook_url=job.webhook_url, metadata=job.meta, batch_id=job.batch_id,
+        webhook_url=job.webhook_url, webhook_events=job.webhook_events, metadata=job.meta,
+        batch_id=job.batch_id,
         progress=round(step / total, 4) if total else 0.0, step=step, total_steps=total,
         queue_position=queue_position, attempts=job.attempts, max_attempts=job.max_attempts,
         cancel_requested=job.cancel_requested, created_at=job.created_at,

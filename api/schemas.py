@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from storage.tables import MAX_PRIORITY, MAX_SEED, MIN_PRIORITY
+from storage.webhooks import WebhookEvent
 
 HARD_MAX_TEXT = 100_000
 HARD_MAX_DIM = 16_384
@@ -109,6 +110,11 @@ class JobCreate(BaseModel):
                     "local deployment (KILN_WEBHOOK_ALLOW_PRIVATE), loopback, private and "
                     "link-local addresses are refused: a 422 for such an IP, and no POST to "
                     "a name that resolves to one.")] | None = None
+    webhook_events: Annotated[list[WebhookEvent], Field(
+        max_length=16,
+        description="the events POSTed to webhook_url: job.started, job.progress (at most "
+                    "every 2 s), job.succeeded, job.failed, job.cancelled, job.dead, "
+                    "job.expired. Left out: the final events only.")] | None = None
     metadata: Metadata = Field(default_factory=dict)
 
 
@@ -184,6 +190,8 @@ class JobPublic(BaseModel):
     not_before: datetime | None
     deadline: datetime | None
     webhook_url: str | None
+    webhook_events: list[str] | None = Field(
+        default=None, description="the webhook events asked for; null: the final ones")
     metadata: dict[str, Any]
     batch_id: str | None = Field(default=None, description="the batch it was submitted in")
     progress: float = Field(description="0..1; step / total")

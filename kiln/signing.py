@@ -1,4 +1,13 @@
-"""Webhook signatures: ``Kiln-Signature: t=<unix seconds>,v1=<hex>``.
+"""Webhook signatures, two of them on every signed delivery.
+
+The Standard Webhooks ones (https://www.standardwebhooks.com), made by the ``standardwebhooks``
+library: ``webhook-id`` (the event's id, the same on every retry), ``webhook-timestamp`` (unix
+seconds of this attempt) and ``webhook-signature: v1,<base64 HMAC-SHA256 of "id.timestamp.body">``
+under the secret in its ``whsec_<base64>`` form (`standard_secret`). A receiver verifies them with
+``standardwebhooks.Webhook(secret).verify(body, headers)``.
+
+And kiln's own, kept for the receivers written against it:
+``Kiln-Signature: t=<unix seconds>,v1=<hex>``.
 
 ``v1`` is HMAC-SHA256 under the deployment's ``webhook_secret`` of ``"<t>."`` followed by the exact
 request body. Signing the timestamp with the body lets a receiver refuse replays of an old
@@ -7,12 +16,37 @@ delivery. Standard library only, so a receiver can import (or copy) `verify`.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import time
+from datetime import UTC, datetime
+
+from standardwebhooks import Webhook
 
 HEADER = "Kiln-Signature"
 DEFAULT_TOLERANCE_SECONDS = 300
+WHSEC_PREFIX = "whsec_"
+
+
+def standard_secret(secret: str) -> str:
+    """The ``whsec_<base64>`` form of the deployment's ``webhook_secret``: a value already in that
+    form is used as it is (its base64 part is the key); any other string is the key itself, as
+    UTF-8 bytes, so ``Kiln-Signature`` and ``webhook-signature`` are made with the same key."""
+    if secret.startswith(WHSEC_PREFIX):
+        return secret
+    return WHSEC_PREFIX + base64.b64encode(secret.encode()).decode()
+
+
+def standard_headers(secret: str, msg_id: str, body: bytes,
+                     timestamp: int | None = None) -> dict[str, str]:
+    """The Standard Webhooks headers for ``body``, the event ``msg_id``, sent at ``timestamp``
+    (now by default)."""
+    timestamp = int(time.time()) if timestamp is None else timestamp
+    at = datetime.fromtimestamp(timestamp, UTC)
+    signature = Webhook(standard_secret(secret)).sign(msg_id, at, body.decode())
+    return {"webhook-id": msg_id, "webhook-timestamp": str(timestamp),
+            "webhook-signature": signature}
 
 
 def digest(secret: str, body: bytes, timestamp: int) -> str:

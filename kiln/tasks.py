@@ -166,31 +166,65 @@ def _context() -> Context:
     return make_context(get_settings())
 
 
-def payload(job: Job) -> dict[str, Any]:
-    """The JSON a webhook receives: the event and the job's outcome."""
+def job_data(job: Job) -> dict[str, Any]:
+    """A job as its webhook events carry it (``data``); URLs are paths on the API."""
     done = job.state == JobState.SUCCEEDED
     error = None
     if job.state != JobState.SUCCEEDED and job.error is not None:
         error = {"code": job.error_code or job.state, "message": job.error}
     return {
-        "type": f"job.{job.state}",
-        "job": {
-            "id": job.id,
-            "status": job.state,
-            "model": job.model,
-            "batch_id": job.batch_id,
-            "attempts": job.attempts,
-            "created_at": job.created_at.isoformat(),
-            "started_at": job.started_at.isoformat() if job.started_at else None,
-            "finished_at": job.finished_at.isoformat() if job.finished_at else None,
-            "render_seconds": job.render_seconds,
-            "video_url": f"/v1/jobs/{job.id}/video" if done and job.output_video_key else None,
-            "thumbnail_url": (f"/v1/jobs/{job.id}/thumbnail"
-                              if done and job.output_thumbnail_key else None),
-            "error": error,
-            "metadata": job.meta,
-        },
+        "id": job.id,
+        "status": job.state,
+        "model": job.model,
+        "batch_id": job.batch_id,
+        "attempts": job.attempts,
+        "created_at": job.created_at.isoformat(),
+        "started_at": job.started_at.isoformat() if job.started_at else None,
+        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+        "render_seconds": job.render_seconds,
+        "video_url": f"/v1/jobs/{job.id}/video" if done and job.output_video_key else None,
+        "thumbnail_url": (f"/v1/jobs/{job.id}/thumbnail"
+                          if done and job.output_thumbnail_key else None),
+        "error": error,
+        "metadata": job.meta,
     }
+
+
+def event(kind: str, at: datetime, data: dict[str, Any]) -> dict[str, Any]:
+    """A webhook event, the Standard Webhooks way: its type, when it happened, its object."""
+    return {"type": kind, "timestamp": at.isoformat(), "data": data}
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+
+def payload(job: Job) -> dict[str, Any]:
+    """The final event of a finished job: ``job.<final state>``, at its finish."""
+    return event(f"job.{job.state}", job.finished_at or job.created_at, job_data(job))
+
+
+def final_event_id(job: Job) -> str:
+    """The ``webhook-id`` of a job's final event: the same on every attempt."""
+    return f"evt_{job.id}_{job.state}"
+
+
+def started_event(job: Job) -> tuple[str, bytes]:
+    """``job.started`` for the attempt just claimed: its id and body."""
+    at = job.started_at or utcnow()
+    return (f"evt_{job.id}_started_{job.attempts}",
+            encode(event("job.started", at, job_data(job))))
+
+
+def progress_event(job_id: str, attempt: int | None, step: int, total: int,
+                   at: datetime | None = None) -> tuple[str, bytes]:
+    """``job.progress``, made from what the worker group knows without reading the row."""
+    at = at or utcnow()
+    data = {"id": job_id, "status": JobState.RUNNING.value, "attempts": attempt,
+            "step": step, "total_steps": total,
+            "progress": round(step / total, 4) if total else 0.0}
+    return (f"evt_{job_id}_progress_{attempt or 0}_{step}",
+            encode(event("job.progress", at, data)))
 
 
 def backoff_seconds(settings: Settings, attempt: int) -> float:
@@ -201,10 +235,66 @@ def backoff_seconds(settings: Settings, attempt: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    state: str  # "skipped" (nothing due), "delivered", "pending" (retry later), "failed"
+    # "skipped" (nothing due), "delivered", "pending" (retry later), "failed", "unwanted" (the
+    # job's filter leaves the event out: nothing sent)
+    state: str
     attempt: int = 0
     status: int | None = None  # HTTP status of this attempt
     retry_in: float | None = None  # seconds until the next attempt, when pending
+
+
+@dataclass(frozen=True, slots=True)
+class _Posted:
+    status: int | None  # None: no answer
+    error: str | None
+    refused: str | None  # why the destination is refused (nothing was posted)
+
+
+def _post(s: Settings, url: str, *, msg_id: str, kind: str, body: bytes, attempt: int,
+          delivery_id: str) -> _Posted:
+    """One signed POST of an event, after the destination check."""
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": USER_AGENT,
+        "Kiln-Delivery": delivery_id,  # stable across attempts: receivers drop repeats by it
+        "Kiln-Event": kind,
+        "Kiln-Attempt": str(attempt),
+    }
+    if s.webhook_secret:
+        timestamp = int(time.time())
+        headers.update(signing.standard_headers(s.webhook_secret, msg_id, body, timestamp))
+        headers[signing.HEADER] = signing.sign(s.webhook_secret, body, timestamp)
+    else:
+        headers.update({"webhook-id": msg_id, "webhook-timestamp": str(int(time.time()))})
+    error: str | None = None
+    refused: str | None = None
+    if not netguard.private_allowed(s):
+        # Resolve, then connect: httpx resolves the name again for the POST, so a DNS answer
+        # that changes in between (rebinding) can still reach a refused address. Closing
+        # that window would take connecting to the checked address itself.
+        try:
+            refused = netguard.resolved_refusal(url)
+        except (OSError, ValueError) as exc:  # no such host, or DNS is down: retried
+            error = f"could not resolve the webhook host: {exc}"[:500]
+    if refused is not None:
+        return _Posted(status=None, error=f"not sent: {refused}"[:500], refused=refused)
+    if error is not None:
+        return _Posted(status=None, error=error, refused=None)
+    try:
+        with httpx.Client(timeout=s.webhook_timeout_seconds, follow_redirects=False) as http:
+            status = http.post(url, content=body, headers=headers).status_code
+    except httpx.HTTPError as exc:
+        return _Posted(status=None, error=f"{type(exc).__name__}: {exc}"[:500], refused=None)
+    if not 200 <= status < 300:
+        error = f"the receiver answered HTTP {status}"
+    return _Posted(status=status, error=error, refused=None)
+
+
+def _gives_up(s: Settings, attempt: int, posted: _Posted) -> bool:
+    # 410 Gone: the receiver says this endpoint will never take it; stop asking. A refused
+    # destination stays refused.
+    return (attempt >= s.webhook_max_attempts or posted.status == 410
+            or posted.refused is not None)
 
 
 def deliver(ctx: Context, job_id: str, *, now: datetime | None = None) -> Delivery:
@@ -219,58 +309,47 @@ def deliver(ctx: Context, job_id: str, *, now: datetime | None = None) -> Delive
             return Delivery(state="skipped")
         job = attempt.job
         assert job.webhook_url is not None
-        body = json.dumps(payload(job), separators=(",", ":"), sort_keys=True).encode()
-        headers = {
-            "Content-Type": "application/json",
-            "User-Agent": USER_AGENT,
-            "Kiln-Delivery": job.id,  # stable across attempts: receivers drop repeats by it
-            "Kiln-Event": f"job.{job.state}",
-            "Kiln-Attempt": str(attempt.number),
-        }
-        if s.webhook_secret:
-            headers[signing.HEADER] = signing.sign(s.webhook_secret, body)
-        status: int | None = None
-        error: str | None = None
-        refused: str | None = None
+        kind = f"job.{job.state}"
+        if not webhooks.wants(job.webhook_events, kind):
+            webhooks.settle_unwanted(session, job_id, attempt.number, now=now)
+            return Delivery(state=webhooks.UNWANTED, attempt=attempt.number)
         started = time.monotonic()
-        if not netguard.private_allowed(s):
-            # Resolve, then connect: httpx resolves the name again for the POST, so a DNS answer
-            # that changes in between (rebinding) can still reach a refused address. Closing
-            # that window would take connecting to the checked address itself.
-            try:
-                refused = netguard.resolved_refusal(job.webhook_url)
-            except (OSError, ValueError) as exc:  # no such host, or DNS is down: retried
-                error = f"could not resolve the webhook host: {exc}"[:500]
-        if refused is not None:
-            error = f"not sent: {refused}"[:500]
-        elif error is None:
-            try:
-                with httpx.Client(timeout=s.webhook_timeout_seconds,
-                                  follow_redirects=False) as http:
-                    status = http.post(job.webhook_url, content=body, headers=headers).status_code
-            except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__}: {exc}"[:500]
+        posted = _post(s, job.webhook_url, msg_id=final_event_id(job), kind=kind,
+                       body=encode(payload(job)), attempt=attempt.number, delivery_id=job.id)
+        status = posted.status
         # The wait before a retry counts from the end of this attempt.
         finished = now + timedelta(seconds=time.monotonic() - started)
-        if status is not None and 200 <= status < 300:
+        if posted.error is None:
             webhooks.record_result(session, job_id, attempt.number, delivered=True,
                                    status=status, now=finished)
             return Delivery(state="delivered", attempt=attempt.number, status=status)
-        if status is not None:
-            error = f"the receiver answered HTTP {status}"
-        # 410 Gone: the receiver says this endpoint will never take it; stop asking. A refused
-        # destination stays refused.
-        give_up = attempt.number >= s.webhook_max_attempts or status == 410 or refused is not None
+        give_up = _gives_up(s, attempt.number, posted)
         retry_in = None if give_up else backoff_seconds(s, attempt.number)
         state = webhooks.record_result(
-            session, job_id, attempt.number, delivered=False, status=status, error=error,
+            session, job_id, attempt.number, delivered=False, status=status, error=posted.error,
             retry_at=None if retry_in is None else finished + timedelta(seconds=retry_in),
             now=finished)
-        log.warning("webhook for job %s, attempt %d: %s%s", job_id, attempt.number, error,
+        log.warning("webhook for job %s, attempt %d: %s%s", job_id, attempt.number, posted.error,
                     "; giving up" if give_up else f"; retrying in {retry_in:.0f} s")
         if state is None:  # a later attempt took over while this one overran its hold
             return Delivery(state="skipped", attempt=attempt.number, status=status)
         return Delivery(state=state, attempt=attempt.number, status=status, retry_in=retry_in)
+
+
+def deliver_live(settings: Settings, url: str, msg_id: str, kind: str, body: bytes, *,
+                 attempt: int = 1) -> Delivery:
+    """Attempt number ``attempt`` at a job.started or job.progress event. No row records it: the
+    task carries the attempt count and the wait (``retry_in``) to the next one."""
+    posted = _post(settings, url, msg_id=msg_id, kind=kind, body=body, attempt=attempt,
+                   delivery_id=msg_id)
+    if posted.error is None:
+        return Delivery(state="delivered", attempt=attempt, status=posted.status)
+    give_up = _gives_up(settings, attempt, posted)
+    retry_in = None if give_up else backoff_seconds(settings, attempt)
+    log.warning("webhook event %s, attempt %d: %s%s", msg_id, attempt, posted.error,
+                "; giving up" if give_up else f"; retrying in {retry_in:.0f} s")
+    return Delivery(state="failed" if give_up else "pending", attempt=attempt,
+                    status=posted.status, retry_in=retry_in)
 
 
 def sweep(ctx: Context, *, now: datetime | None = None, limit: int = 500) -> list[str]:
@@ -345,6 +424,15 @@ def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
     return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
 
 
+@app.task(name="kiln.deliver_event", bind=True, ignore_result=True)
+def deliver_event(self: Task, url: str, msg_id: str, kind: str, body: str) -> str:
+    outcome = deliver_live(_context().settings, url, msg_id, kind, body.encode(),
+                           attempt=self.request.retries + 1)
+    if outcome.retry_in is not None:
+        raise self.retry(countdown=outcome.retry_in, max_retries=None)
+    return outcome.state
+
+
 @app.task(name="kiln.sweep_webhooks", ignore_result=True)
 def sweep_webhooks() -> int:
     owed = sweep(_context())
@@ -390,4 +478,20 @@ def enqueue_job_finished(session: Session, job_id: str) -> bool:
     except Exception:  # any failure: broker, network, database; the sweeper is the safety net
         log.warning("could not enqueue the webhook of job %s; the sweeper will send it", job_id,
                     exc_info=True)
+        return False
+
+
+def enqueue_event(url: str, msg_id: str, kind: str, body: bytes) -> bool:
+    """Asks for a job.started or job.progress event (`deliver_live`). Best effort like
+    `enqueue_job_finished`: never raises, never waits on Redis; True if a task was enqueued."""
+    try:
+        if app.conf.broker_url is None:
+            return False
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=0, interval_start=0, timeout=5)
+            deliver_event.apply_async((url, msg_id, kind, body.decode()), connection=conn,
+                                      retry=False)
+        return True
+    except Exception:
+        log.warning("could not enqueue the webhook event %s", msg_id, exc_info=True)
         return False

@@ -61,6 +61,7 @@ from storage.outages import describe, is_outage
 from storage.outputs import OutputStore, make_store
 from storage.tables import Job, JobState
 from storage.video import OutputWriter
+from storage.webhooks import LIVE_EVENTS
 from storage.workers import GroupReport, report_group
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ def job_log(event: str, *, job: str, attempt: int | None = None, rank: int | Non
 
 # While a server is out, claims pause for a backoff that doubles up to this.
 MAX_BACKOFF_SECONDS = 10.0
+# A job that asked for job.progress gets one at most this often (kept in memory on rank 0).
+PROGRESS_EVERY_SECONDS = 2.0
 # On the way out, how long the group keeps trying to hand its jobs back through an outage.
 GIVE_BACK_SECONDS = 5.0
 MAX_RESTART_BACKOFF_SECONDS = 30.0
@@ -223,7 +226,8 @@ class Coordinator:
     def __init__(self, settings: Settings, config: WorkerConfig, layout: Layout, mode: str,
                  platform_name: str, *,
                  notify: Callable[[Session, str], object] | None = None,
-                 report: Callable[[Session, GroupReport], object] = report_group) -> None:
+                 report: Callable[[Session, GroupReport], object] = report_group,
+                 send_event: Callable[[str, str, str, bytes], object] | None = None) -> None:
         self.settings = settings
         self.config = config
         self.layout = layout
@@ -237,7 +241,16 @@ class Coordinator:
             from kiln.tasks import enqueue_job_finished
 
             notify = enqueue_job_finished
+        if send_event is None:
+            from kiln.tasks import enqueue_event  # here: Celery loads on rank 0 only
+
+            send_event = enqueue_event
         self.notify = notify
+        # job.started / job.progress: ``send_event(url, msg_id, kind, body)``, for the running
+        # jobs that asked for them (job id -> (webhook_url, events)), known from their claim.
+        self.send_event = send_event
+        self.live_hooks: dict[str, tuple[str, frozenset[str]]] = {}
+        self._last_progress: dict[str, float] = {}  # job id -> monotonic time of its last one
         self._report = report
         self.sessions = make_session_factory(make_engine(settings.database_url))
         if not settings.redis_url:
@@ -380,7 +393,38 @@ class Coordinator:
             self.attempt_numbers[claim.attempt_token] = job.attempts
             job_log("claimed", job=job.id, attempt=job.attempts, rank=rank,
                     group=self.group_id)
+            self.note_started(job)
         return tickets
+
+    def note_started(self, job: Job) -> None:
+        """After a claim's commit: remembers whether the job wants job.started / job.progress
+        (read from the claimed row, no further query) and sends job.started."""
+        events = frozenset(job.webhook_events or ()) & LIVE_EVENTS
+        if job.webhook_url is None or not events:
+            return
+        from kiln.tasks import started_event  # here: Celery loads on rank 0 only
+
+        self.live_hooks[job.id] = (job.webhook_url, events)
+        if "job.started" in events:
+            msg_id, body = started_event(job)
+            self.send_event(job.webhook_url, msg_id, "job.started", body)
+
+    def _note_progress(self, st: RankStatus) -> None:
+        """job.progress for a job that asked for it, at most every PROGRESS_EVERY_SECONDS."""
+        job_id = st.job_id or ""
+        hook = self.live_hooks.get(job_id)
+        if hook is None or "job.progress" not in hook[1]:
+            return
+        now = time.monotonic()
+        last = self._last_progress.get(job_id)
+        if last is not None and now - last < PROGRESS_EVERY_SECONDS:
+            return
+        from kiln.tasks import progress_event  # here: Celery loads on rank 0 only
+
+        self._last_progress[job_id] = now
+        attempt = self.attempt_numbers.get(st.attempt_token or "")
+        msg_id, body = progress_event(job_id, attempt, st.step, st.num_inference_steps)
+        self.send_event(hook[0], msg_id, "job.progress", body)
 
     # What happened in the step.
     def record(self, statuses: list[RankStatus]) -> None:
@@ -407,6 +451,8 @@ class Coordinator:
                         self.cancels[st.rank] = "the lease of this attempt was lost"
                     elif beat.cancel_requested:
                         self.cancels[st.rank] = "cancelled by the user"
+                    else:
+                        self._note_progress(st)
                     continue
                 ticket = self.running.get(st.rank)
                 if ticket is not None and ticket.job_id == st.job_id:
@@ -465,6 +511,8 @@ class Coordinator:
             self.unfinished[st.job_id] = st
             return
         self.unfinished.pop(st.job_id, None)
+        self.live_hooks.pop(st.job_id, None)
+        self._last_progress.pop(st.job_id, None)
         attempt = self.attempt_numbers.pop(st.attempt_token, None)
         job_log("ended", job=st.job_id, attempt=attempt, rank=st.rank,
                 outcome=st.outcome, state=state or "not current", error=st.error)

@@ -77,6 +77,7 @@ class JobSpec(RenderFields):
     not_before: datetime | None = None
     deadline: datetime | None = None
     webhook_url: str | None = None
+    webhook_events: list[str] | None = None  # None: the final events only
     metadata: dict[str, Any] = field(default_factory=dict)
     batch_id: str | None = None
     batch_index: int | None = None  # 1-based line in its batch submission
@@ -263,6 +264,7 @@ def new_job_row(owner_id: int, spec: JobSpec, *, request_hash: str,
         not_before=spec.not_before,
         deadline=spec.deadline,
         webhook_url=spec.webhook_url,
+        webhook_events=list(spec.webhook_events) if spec.webhook_events is not None else None,
         meta=dict(spec.metadata),
         idempotency_key=idempotency_key,
         request_hash=request_hash,

@@ -194,6 +194,8 @@ class Job(Base):
     not_before: Mapped[datetime | None]
     deadline: Mapped[datetime | None]
     webhook_url: Mapped[str | None] = mapped_column(String(2048))
+    # The webhook events asked for (`storage.webhooks.EVENTS`); None: the final ones only.
+    webhook_events: Mapped[list[str] | None] = mapped_column(JSON)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str] = mapped_column(String(64))
@@ -279,7 +281,8 @@ class WebhookDelivery(Base):
     job_id: Mapped[str] = mapped_column(
         ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
     )
-    state: Mapped[str] = mapped_column(String(16), default="pending")  # delivered | failed
+    # pending | delivered | failed | unwanted (the job did not ask for its final event)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(default=0)
     # Not before this may the next attempt start; while an attempt runs, the end of its hold.
     next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -13,8 +13,10 @@ and before `record_result`): the ``Kiln-Delivery`` header carries the job id for
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Literal, get_args
 
 from sqlalchemy import and_, exists, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -22,10 +24,26 @@ from sqlalchemy.orm import Session
 
 from storage.tables import TERMINAL_STATES, Job, WebhookDelivery, utcnow
 
+# The events a job's webhook may ask for (``Job.webhook_events``). The final ones are
+# ``job.<final state>`` and go through the outbox below; job.started and job.progress are sent
+# by the worker group as they happen, best effort (a lost one is not sent again).
+WebhookEvent = Literal["job.started", "job.progress", "job.succeeded", "job.failed",
+                       "job.cancelled", "job.dead", "job.expired"]
+EVENTS: tuple[str, ...] = get_args(WebhookEvent)
+FINAL_EVENTS = frozenset(f"job.{s.value}" for s in TERMINAL_STATES)
+LIVE_EVENTS = frozenset({"job.started", "job.progress"})
+
+
+def wants(events: Iterable[str] | None, event: str) -> bool:
+    """Whether a job that asked for ``events`` (None: the final ones) gets ``event``."""
+    return event in FINAL_EVENTS if events is None else event in events
+
+
 PENDING = "pending"
 DELIVERED = "delivered"
 FAILED = "failed"  # gave up: out of attempts, the receiver answered 410 Gone, or a refused address
-_FINAL = (DELIVERED, FAILED)
+UNWANTED = "unwanted"  # the job did not ask for its final event: nothing was sent
+_FINAL = (DELIVERED, FAILED, UNWANTED)
 _TERMINAL = [s.value for s in TERMINAL_STATES]
 
 
@@ -116,6 +134,19 @@ def record_result(session: Session, job_id: str, number: int, *, delivered: bool
         return None
     session.commit()
     return str(result[0])
+
+
+def settle_unwanted(session: Session, job_id: str, number: int, *,
+                    now: datetime | None = None) -> None:
+    """Settles attempt ``number`` as `UNWANTED` (the job's filter leaves its final event out) and
+    commits: the job owes nothing any more."""
+    now = now or utcnow()
+    session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.job_id == job_id, WebhookDelivery.state == PENDING,
+               WebhookDelivery.attempts == number)
+        .values(state=UNWANTED, finished_at=now, last_status=None, last_error=None))
+    session.commit()
 
 
 def delivery(session: Session, job_id: str) -> WebhookDelivery | None:

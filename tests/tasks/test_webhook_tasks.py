@@ -59,9 +59,9 @@ def test_failed_posts_are_retried_with_doubling_backoff_until_a_signed_delivery_
         assert not signing.verify(SECRET, r.body + b" ", r.headers[signing.HEADER])
     body = json.loads(got[-1].body)
     assert body["type"] == "job.succeeded"
-    assert body["job"]["id"] == job_id and body["job"]["status"] == "succeeded"
-    assert body["job"]["video_url"] == f"/v1/jobs/{job_id}/video"
-    assert body["job"]["metadata"] == {"ref": "42"} and body["job"]["error"] is None
+    assert body["data"]["id"] == job_id and body["data"]["status"] == "succeeded"
+    assert body["data"]["video_url"] == f"/v1/jobs/{job_id}/video"
+    assert body["data"]["metadata"] == {"ref": "42"} and body["data"]["error"] is None
     with ctx.sessions() as s:
         row = webhooks.delivery(s, job_id)
         assert row is not None
@@ -79,7 +79,7 @@ def test_delivery_gives_up_after_max_attempts_and_records_why(ctx: Context) -> N
         assert len(receiver.requests) == 3  # webhook_max_attempts
         body = json.loads(receiver.requests[0].body)
         assert body["type"] == "job.failed"
-        assert body["job"]["error"] == {"code": "bad_prompt", "message": "the prompt was refused"}
+        assert body["data"]["error"] == {"code": "bad_prompt", "message": "the prompt was refused"}
         row = webhooks.delivery(s, job_id)
         assert row is not None
         assert (row.state, row.attempts, row.last_status) == ("failed", 3, 503)

@@ -1,0 +1,156 @@
+"""Webhooks by the Standard Webhooks convention: every request verifies with the
+``standardwebhooks`` library, a job's events arrive in order (started, progress..., succeeded),
+failed POSTs are retried, and the job's event filter drops what it did not ask for."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from servers import Receiver
+from standardwebhooks import Webhook, WebhookVerificationError
+from task_helpers import SECRET, fail, submit
+
+from api.schemas import JobCreate
+from kiln import signing, worker
+from kiln.tasks import Context, deliver, deliver_live, progress_event, sweep
+from kiln.worker import Coordinator, WorkerConfig
+from runtime.rank_loop import RankStatus
+from runtime.sequence import Layout
+from storage import lifecycle, webhooks
+from storage.outputs import video_key
+from storage.tables import utcnow
+
+WHSEC = signing.standard_secret(SECRET)
+
+
+def verified(received: Any) -> dict[str, Any]:
+    return Webhook(WHSEC).verify(received.body, received.headers)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def coordinator(ctx: Context) -> Iterator[Coordinator]:
+    def send_now(url: str, msg_id: str, kind: str, body: bytes) -> None:
+        # What the kiln.deliver_event task does, run here and now.
+        assert deliver_live(ctx.settings, url, msg_id, kind, body).state == "delivered"
+
+    c = Coordinator(ctx.settings, WorkerConfig(), Layout(), "allgather", "cpu",
+                    notify=lambda session, job_id: None, send_event=send_now)
+    yield c
+    c.redis.close()
+    c.sessions.kw["bind"].dispose()
+
+
+def run_job(ctx: Context, c: Coordinator, job_id: str, steps: int) -> None:
+    """The job's transitions the way the worker group makes them: claim, a heartbeat per step,
+    the final one; then the final event's delivery."""
+    with ctx.sessions() as s:
+        claim = lifecycle.claim_job(s, job_id, worker_group_id=c.group_id, rank=0,
+                                    lease_seconds=600)
+        assert claim is not None
+        c.attempt_numbers[claim.attempt_token] = claim.job.attempts
+        c.note_started(claim.job)
+    for step in range(1, steps + 1):
+        c.record([RankStatus(rank=0, job_id=job_id, attempt_token=claim.attempt_token,
+                             step=step, num_inference_steps=steps)])
+    c.record([RankStatus(rank=0, job_id=job_id, attempt_token=claim.attempt_token, step=steps,
+                         num_inference_steps=steps, outcome="succeeded",
+                         video_key=video_key(job_id))])
+    deliver(ctx, job_id)
+
+
+def test_a_job_gets_its_events_in_order_each_verified_by_the_library(
+        ctx: Context, coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker, "PROGRESS_EVERY_SECONDS", 0.0)
+    with Receiver() as receiver:
+        with ctx.sessions() as s:
+            job_id = submit(s, webhook_url=receiver.url, num_inference_steps=3,
+                            webhook_events=["job.started", "job.progress", "job.succeeded"]).id
+        run_job(ctx, coordinator, job_id, steps=3)
+        got = receiver.wait_for(5)
+    events = [verified(r) for r in got]
+    assert [e["type"] for e in events] == [
+        "job.started", "job.progress", "job.progress", "job.progress", "job.succeeded"]
+    assert [e["data"]["step"] for e in events[1:4]] == [1, 2, 3]
+    assert {e["data"]["id"] for e in events} == {job_id}
+    assert events[-1]["data"]["status"] == "succeeded"
+    assert events[-1]["data"]["video_url"] == f"/v1/jobs/{job_id}/video"
+    assert len({r.headers["webhook-id"] for r in got}) == 5  # one id per event
+    for r in got:
+        assert r.headers["webhook-signature"].startswith("v1,")
+        assert int(r.headers["webhook-timestamp"]) == pytest.approx(utcnow().timestamp(), abs=30)
+        assert json.loads(r.body)["timestamp"]
+        with pytest.raises(WebhookVerificationError):
+            Webhook(signing.standard_secret("another secret")).verify(r.body, r.headers)
+        with pytest.raises(WebhookVerificationError):
+            Webhook(WHSEC).verify(r.body + b" ", r.headers)
+
+
+def test_progress_is_sent_at_most_every_two_seconds_per_job(
+        ctx: Context, coordinator: Coordinator) -> None:
+    with Receiver() as receiver:
+        with ctx.sessions() as s:
+            job_id = submit(s, webhook_url=receiver.url, num_inference_steps=4,
+                            webhook_events=["job.progress", "job.succeeded"]).id
+        run_job(ctx, coordinator, job_id, steps=4)  # four steps well within 2 s
+        got = receiver.wait_for(2)
+    assert [verified(r)["type"] for r in got] == ["job.progress", "job.succeeded"]
+
+
+def test_a_receiver_answering_500_twice_gets_the_event_on_the_third_try(ctx: Context) -> None:
+    with Receiver(fail_first=2) as receiver:
+        msg_id, body = progress_event("j1", 1, 2, 4)
+        outcomes = [deliver_live(ctx.settings, receiver.url, msg_id, "job.progress", body,
+                                 attempt=n) for n in (1, 2, 3)]
+        assert [(o.state, o.status, o.retry_in) for o in outcomes] == [
+            ("pending", 500, 2.0), ("pending", 500, 4.0), ("delivered", 200, None)]
+        # The final events: the outbox's retries, with the same webhook-id on every attempt.
+        receiver.fail_first = 5  # counted from the first request: two more 500s
+        t = utcnow() - timedelta(minutes=1)
+        with ctx.sessions() as s:
+            job_id = submit(s, now=t, webhook_url=receiver.url).id
+            fail(s, job_id, now=t)
+        states = [deliver(ctx, job_id, now=t + timedelta(seconds=10 * i)).state
+                  for i in range(3)]
+        assert states == ["pending", "pending", "delivered"]
+    got = receiver.requests
+    assert [r.answered for r in got] == [500, 500, 200, 500, 500, 200]
+    assert len({r.headers["webhook-id"] for r in got[:3]}) == 1
+    assert len({r.headers["webhook-id"] for r in got[3:]}) == 1
+    assert verified(got[2])["data"]["step"] == 2
+    final = verified(got[-1])
+    assert (final["type"], final["data"]["id"]) == ("job.failed", job_id)
+
+
+def test_the_filter_drops_the_events_not_asked_for(
+        ctx: Context, coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker, "PROGRESS_EVERY_SECONDS", 0.0)
+    with Receiver() as receiver:
+        with ctx.sessions() as s:
+            wanted = submit(s, webhook_url=receiver.url, webhook_events=["job.succeeded"]).id
+            unwanted = submit(s, now=utcnow() - timedelta(minutes=5), webhook_url=receiver.url,
+                              webhook_events=["job.succeeded"]).id
+            claim = lifecycle.claim_job(s, unwanted, worker_group_id="g", rank=0,
+                                        lease_seconds=60)
+            assert claim is not None
+            assert lifecycle.fail_job(s, unwanted, claim.attempt_token, error="no") is not None
+        run_job(ctx, coordinator, wanted, steps=3)
+        assert deliver(ctx, unwanted).state == webhooks.UNWANTED
+        assert sweep(ctx, now=utcnow() + timedelta(minutes=1)) == []  # it owes nothing
+        got = receiver.wait_for(1)
+    assert [(verified(r)["type"], verified(r)["data"]["id"]) for r in got] == [
+        ("job.succeeded", wanted)]
+    with ctx.sessions() as s:
+        row = webhooks.delivery(s, unwanted)
+        assert row is not None and row.state == webhooks.UNWANTED
+
+
+def test_an_unknown_event_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValidationError) as caught:
+        JobCreate.model_validate({"prompt": "p", "webhook_events": ["job.started", "job.bogus"]})
+    assert [e["loc"] for e in caught.value.errors()] == [("webhook_events", 1)]
+    assert JobCreate.model_validate({"prompt": "p"}).webhook_events is None
