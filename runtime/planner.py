@@ -5,11 +5,11 @@ The profile (`measure_profile`) runs the model on two ranks, in both DLO modes, 
 at two token counts, and keeps what the predictions need:
 
 - compute: seconds of one block forward (the guidance pair as one batch-2 forward) against this
-  rank's tokens, fitted as ``a + b * tokens`` from the two token counts (the step time minus the
-  time the step waited for its gathers, per block);
-- transfers: seconds per byte of an all-gather received (allgather mode) and of a block copied
-  whole from the shared mapping (rank-local mode), from the DLO engine's own gather timings, and
-  of the all-to-alls of sequence parallelism, timed apart on the two ranks;
+  rank's tokens, fitted as ``a + b * tokens`` from the two token counts of the rank-local runs
+  (the step time minus the time the step waited for its blocks, per block; their cheap copies
+  are inside the fit);
+- transfers: seconds per byte, and the fixed cost, of an all-gather and of an all-to-all, timed
+  on the two ranks doing nothing else;
 - memory: a rank with torch and its process groups but no model (``framework``), and what each
   loaded rank holds beyond its share of the weights (``per_rank``), fitted from the measured
   summed PSS of the two ranks: host memory = weights + W x (framework + per_rank).
@@ -49,7 +49,7 @@ from runtime.pipelines.base import VideoRequest, agree_handles
 from runtime.render import load_pipeline, memory_figures
 from runtime.sequence import Layout, open_sequence
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 STALE_AFTER_DAYS = 30
 MODES = ("allgather", "rank-local")
 
@@ -221,7 +221,6 @@ class Profile:
     block_seconds: tuple[float, float]  # a + b * tokens: one block forward, one thread
     gather_seconds_per_byte: float  # allgather: per byte a rank receives
     gather_latency_seconds: float  # the fixed cost of one all-gather
-    copy_seconds_per_byte: float  # rank-local: per byte of a block copied whole
     all_to_all_seconds_per_byte: float  # per byte a rank sends to the others
     all_to_all_latency_seconds: float  # the fixed cost of one all-to-all
     activation_bytes_per_token: int  # the bytes one token's activations move in an all-to-all
@@ -344,8 +343,6 @@ def measure_profile(model: str, *, jobs: tuple[JobShape, JobShape] | None = None
         return max(0.0, links[f"{kind}_large"] - links[f"{kind}_small"]) / received
     cores = os.cpu_count() or 1
     crowded = run_ranks(2 * cores, _crowded_on_rank, 20, threads=1, timeout_s=300)[0]
-    rl = [runs[j, "rank-local"] for j in (small, large)]
-    copy = statistics.mean(m.gather_seconds for m in rl) / block_bytes
     width = _width_of(model)
     per_token = 2 * width * 4  # the guidance pair, fp32 activations of one token
     framework = int(statistics.mean(m.framework_bytes for m in runs.values()))
@@ -360,7 +357,7 @@ def measure_profile(model: str, *, jobs: tuple[JobShape, JobShape] | None = None
         max_block_bytes=stats["max_block_bytes"], block_bytes=block_bytes,
         nonblock_bytes=stats["resident_bytes"], width_tokens=tokens,
         block_seconds=(intercept, slope), gather_seconds_per_byte=rate("gather"),
-        gather_latency_seconds=links["gather_small"], copy_seconds_per_byte=copy,
+        gather_latency_seconds=links["gather_small"],
         all_to_all_seconds_per_byte=rate("a2a"), all_to_all_latency_seconds=links["a2a_small"],
         activation_bytes_per_token=per_token, prepare_seconds=ag_large.prepare_seconds,
         decode_seconds=ag_large.decode_seconds,

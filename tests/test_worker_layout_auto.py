@@ -30,7 +30,7 @@ def _write_profile(data_dir: Path) -> None:
         checkpoint=checkpoint_fingerprint(TINY_MODEL), created_at=time.time(), cores=8,
         num_blocks=4, max_block_bytes=10**6, block_bytes=4 * 10**6, nonblock_bytes=10**5,
         width_tokens=(48, 192), block_seconds=(0.0001, 0.001), gather_seconds_per_byte=1e-10,
-        gather_latency_seconds=1e-5, copy_seconds_per_byte=1e-11,
+        gather_latency_seconds=1e-5,
         all_to_all_seconds_per_byte=1e-10, all_to_all_latency_seconds=1e-5,
         activation_bytes_per_token=1024, prepare_seconds=0.001, decode_seconds=0.001,
         decode_pixels=64 * 64 * 9, framework_bytes=200 * 10**6,

@@ -34,7 +34,7 @@ def _profile(**changes: object) -> Profile:
         checkpoint=checkpoint_fingerprint("kiln-tiny"), created_at=time.time(), cores=8,
         num_blocks=10, max_block_bytes=GB // 10, block_bytes=GB, nonblock_bytes=GB // 100,
         width_tokens=(100, 400), block_seconds=(0.01, 0.001), gather_seconds_per_byte=1e-9,
-        gather_latency_seconds=0.0, copy_seconds_per_byte=1e-10, all_to_all_seconds_per_byte=1e-9,
+        gather_latency_seconds=0.0, all_to_all_seconds_per_byte=1e-9,
         all_to_all_latency_seconds=1e-4,
         activation_bytes_per_token=8192, prepare_seconds=0.1, decode_seconds=0.2,
         decode_pixels=64 * 64 * 9, framework_bytes=300_000_000,
