@@ -2,8 +2,8 @@
 timeline from ``job_events`` (created, each attempt with its worker group, rank and outcome,
 finished), its video and thumbnail, its error, and a cancel button.
 
-Every piece of user text goes through `html.escape`. The page's script (``job_page.js``, served
-by kiln) fetches the outputs with the key and keeps the page current from ``GET /v1/events``.
+Every piece of user text goes through `html.escape`. The page's script (``assets/job_page.js``,
+served by kiln) fetches the outputs with the key and keeps the page current from ``GET /v1/events``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 from storage.tables import TERMINAL_STATES, Job, JobEvent, JobState
 
 _FRAME = Path(__file__).resolve().parent / "job_page.html"
-SCRIPT = Path(__file__).resolve().parent / "job_page.js"
 
 _OUTCOMES = {"requeued", "succeeded", "failed", "dead", "cancelled"}
 
@@ -157,7 +156,7 @@ def _media(job: Job) -> str:
                      f'width="{job.width}" height="{job.height}"></video>'
                      f'<div><a href="{video}" data-download="{job.id}.mp4">download MP4</a></div>')
     if job.output_thumbnail_key:
-        parts.append(f'<figure><img class="thumb" data-src="{thumb}" alt="thumbnail" '
+        parts.append(f'<figure><img class="thumb large" data-src="{thumb}" alt="thumbnail" '
                      f'width="{job.width}" height="{job.height}">'
                      "<figcaption>thumbnail</figcaption></figure>")
     if not parts:
@@ -184,12 +183,12 @@ def render_main(job: Job, events: Sequence[JobEvent], group_names: dict[str, str
         code = f' <span class="mono dim">({_e(job.error_code)})</span>' if job.error_code else ""
         error = (f'<section><h2>{label}{code}</h2><pre class="error" id="job-error">'
                  f"{_e(job.error)}</pre></section>")
-    return f"""<main data-job="{_e(job.id)}" data-state="{_e(state)}" data-last-event="{last_event}"
-    data-terminal="{'true' if terminal else 'false'}">
+    return f"""<main class="narrow" data-job="{_e(job.id)}" data-state="{_e(state)}"
+    data-last-event="{last_event}" data-terminal="{'true' if terminal else 'false'}">
   <section class="head">
     <div><span class="chip {_e(state)}" id="state">{_e(state)}</span>
       <span class="mono" id="job-id">{_e(job.id)}</span></div>
-    <div class="progress"><div class="bar {_e(state)}"><div id="bar" style="width:{pct:.0f}%">
+    <div class="progress"><div class="bar wide {_e(state)}"><div id="bar" style="width:{pct:.0f}%">
       </div></div><span class="dim" id="steps">{step}/{total} steps</span></div>
     <div class="actions">{cancel}{pending}<span id="live" class="dim"></span></div>
   </section>

@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
@@ -94,7 +94,16 @@ def _render_job(session: Session, job_id: str, user: User) -> str:
     return main
 
 
-@router.get("/dashboard/assets/job_page.js", include_in_schema=False)
-async def job_page_script() -> FileResponse:
-    return FileResponse(job_page.SCRIPT, media_type="text/javascript",
+_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+_ASSET_TYPES = {".js": "text/javascript", ".css": "text/css"}
+# The pages' scripts and stylesheet, by name: nothing else under the folder is served.
+_ASSET_FILES = {p.name: p for p in _ASSETS.iterdir() if p.suffix in _ASSET_TYPES}
+
+
+@router.get("/dashboard/assets/{name}", include_in_schema=False)
+async def asset(name: str) -> FileResponse:
+    path = _ASSET_FILES.get(name)
+    if path is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no asset named {name[:60]!r}")
+    return FileResponse(path, media_type=_ASSET_TYPES[path.suffix],
                         headers={"Cache-Control": "no-cache"})
