@@ -22,11 +22,12 @@ from api.errors import BodySizeLimit, install_error_handlers
 from api.events import StreamCount
 from api.jobs import QueueRoom
 from api.metrics import make_registry
-from api.routes import batches, dashboard, events, jobs, system, videos
+from api.routes import batches, dashboard, events, jobs, models, system, videos
 from common.settings import Settings, get_settings
 from scheduler import queue_index
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, make_store
+from storage.tables import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def create_app(
     app.state.key_cache = KeyCache(settings.api_key_cache_seconds)
     app.state.queue_room = QueueRoom()
     app.state.event_streams = StreamCount()
+    app.state.started_at = utcnow()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        per_path={"/v1/batches": settings.max_batch_body_bytes})
@@ -98,6 +100,7 @@ def create_app(
     app.include_router(system.router)
     app.include_router(dashboard.router)
     app.include_router(events.router)
+    app.include_router(models.router)
     return app
 
 

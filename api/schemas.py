@@ -339,9 +339,20 @@ class RankPublic(BaseModel):
     device: str | None = None
     device_mem_used_bytes: int | None = None
     device_mem_total_bytes: int | None = None
-    host_mem_bytes: int | None = None
+    host_mem_bytes: int | None = None  # the rank process's proportional set size (PSS)
+    cgroup_mem_bytes: int | None = None  # what the rank's memory cgroup is charged
     job_id: str | None = None  # only when the caller may see that job
+    step: int | None = None  # the job's step, when the caller may see the job
+    total_steps: int | None = None
     pid: int | None = None  # the rank's process on its host
+    num_blocks: int | None = Field(default=None, description="streamed transformer blocks")
+    resident_blocks: int | None = Field(
+        default=None, description="of them, how many stay on the device")
+    device_weight_buffer_bytes: int | None = Field(
+        default=None, description="device bytes for block weights: the resident blocks and "
+                                  "the two slots the others stream through")
+    model_bytes: int | None = Field(
+        default=None, description="the streamed transformers' whole size, unsharded")
 
 
 class ReplicaPublic(BaseModel):
@@ -375,6 +386,9 @@ class WorkerGroupPublic(BaseModel):
     started_at: datetime
     heartbeat_at: datetime
     ranks: list[RankPublic]
+    host_mem_bytes: int | None = Field(
+        default=None, description="the ranks' PSS summed: the group's own share of host "
+                                  "memory, the shared weight mapping counted once")
     num_running: int
     current_jobs: list[str]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.procs import free_port  # noqa: E402
+from common.procs import cgroup_memory_bytes, free_port  # noqa: E402
 
 GB = 1e9
 MODES = ("naive", "rank-local", "allgather")
@@ -105,19 +105,10 @@ class PageCacheProbe:
         os.posix_fadvise(self._fh.fileno(), 0, self.size, os.POSIX_FADV_DONTNEED)
 
 
-def _cgroup_usage() -> int | None:
-    for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
-        try:
-            return int(Path(path).read_text())
-        except (OSError, ValueError):
-            continue
-    return None
-
-
 def run_mode(mode: str, dp: int, path: str, width: int, num_blocks: int,
              probe: PageCacheProbe) -> dict[str, float]:
     probe.evict()
-    cgroup_base = _cgroup_usage()
+    cgroup_base = cgroup_memory_bytes()
     ctx = mp.get_context("spawn")
     phases, release = ctx.Queue(), ctx.Event()
     port = free_port()
@@ -133,7 +124,7 @@ def run_mode(mode: str, dp: int, path: str, width: int, num_blocks: int,
     while True:
         cached.append(probe.cached_bytes())
         measured = sum(_private_bytes(p.pid) for p in procs if p.pid) + cached[-1]
-        samples.append((time.perf_counter() - t0, measured, _cgroup_usage() or 0))
+        samples.append((time.perf_counter() - t0, measured, cgroup_memory_bytes() or 0))
         while not phases.empty():
             _, phase = phases.get()
             seen[phase] += 1

@@ -11,6 +11,18 @@ import subprocess
 import sys
 
 
+def cgroup_memory_bytes() -> int | None:
+    """What this process's memory cgroup is charged now (cgroup v2, then v1): on a container
+    of its own, the container's whole use; None where it cannot be read."""
+    for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
+        try:
+            with open(path) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

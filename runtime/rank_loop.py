@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from common.procs import cgroup_memory_bytes
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
 from runtime.render import frames_to_uint8, memory_figures
 from runtime.sequence import SOLO, Layout
@@ -358,7 +359,18 @@ class RankLoop:
         return {"rank": self.rank, "replica": self.layout.replica(self.rank),
                 "device": str(self.platform.device),
                 "device_mem_used_bytes": total - free, "device_mem_total_bytes": total,
-                "host_mem_bytes": pss, "job_id": self._job_id(), "pid": os.getpid()}
+                "host_mem_bytes": pss, "cgroup_mem_bytes": cgroup_memory_bytes(),
+                "job_id": self._job_id(), "pid": os.getpid(), **self.weight_figures()}
+
+    def weight_figures(self) -> dict[str, int]:
+        """The streamed transformers' figures, summed (`DLOHandle.weight_figures`); none for a
+        pipeline that streams nothing."""
+        out: dict[str, int] = {}
+        for handle in self.pipe.handles:
+            if handle is not None:
+                for name, value in handle.weight_figures().items():
+                    out[name] = out.get(name, 0) + value
+        return out
 
 
 def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,

@@ -69,6 +69,7 @@ def list_jobs(
     *,
     states: Sequence[str] = (),
     model: str | None = None,
+    job_class: str | None = None,
     batch_id: str | None = None,
     owner_id: int | None = None,
     limit: int = 50,
@@ -84,6 +85,8 @@ def list_jobs(
         query = query.where(Job.state.in_(list(states)))
     if model is not None:
         query = query.where(Job.model == model)
+    if job_class is not None:
+        query = query.where(Job.class_ == job_class)
     if batch_id is not None:
         query = query.where(Job.batch_id == batch_id)
     if owner_id is not None:

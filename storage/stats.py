@@ -3,7 +3,7 @@ replica reports the same numbers whichever process did the work."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
@@ -57,3 +57,51 @@ def videos_finished_since(session: Session, since: datetime, owner_id: int | Non
 
 def videos_last_hour(session: Session, now: datetime | None = None) -> int:
     return videos_finished_since(session, (now or utcnow()) - timedelta(hours=1))
+
+
+def jobs_by_class_and_state(session: Session,
+                            owner_id: int | None = None) -> dict[str, dict[str, int]]:
+    """Jobs per class, then per state; one owner's only when ``owner_id`` is given."""
+    query = select(Job.class_, Job.state, func.count()).group_by(Job.class_, Job.state)
+    if owner_id is not None:
+        query = query.where(Job.owner_id == owner_id)
+    out: dict[str, dict[str, int]] = {}
+    for job_class, state, n in session.execute(query):
+        out.setdefault(job_class, {})[state] = int(n)
+    return out
+
+
+def throughput_since(session: Session, since: datetime, now: datetime,
+                     owner_id: int | None = None) -> tuple[int, float | None]:
+    """(videos finished since ``since``, videos per hour over that span): the span starts when
+    the first of them started, if later than ``since``, so a service up for ten minutes is not
+    read as a slow hour. None when nothing finished."""
+    query = (select(func.count(), func.min(Job.started_at))
+             .where(Job.state == JobState.SUCCEEDED, Job.finished_at >= since))
+    if owner_id is not None:
+        query = query.where(Job.owner_id == owner_id)
+    count, first_start = session.execute(query).one()
+    count = int(count or 0)
+    if not count:
+        return 0, None
+    start = max(since, _aware(first_start)) if first_start is not None else since
+    hours = max((now - start).total_seconds(), 60.0) / 3600  # a minute at least
+    return count, count / hours
+
+
+def recent_failures(session: Session, since: datetime, owner_id: int | None = None,
+                    limit: int = 10) -> tuple[int, list[Job]]:
+    """(how many jobs failed, went dead or expired since ``since``, the newest ``limit``)."""
+    bad = (JobState.FAILED, JobState.DEAD, JobState.EXPIRED)
+    where = [Job.state.in_([s.value for s in bad]), Job.finished_at >= since]
+    if owner_id is not None:
+        where.append(Job.owner_id == owner_id)
+    total = int(session.scalar(select(func.count()).select_from(Job).where(*where)) or 0)
+    rows = list(session.scalars(select(Job).where(*where)
+                                .order_by(Job.finished_at.desc()).limit(limit)))
+    return total, rows
+
+
+def _aware(at: datetime) -> datetime:
+    """SQLite hands datetimes back naive; they are UTC."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)

@@ -17,7 +17,7 @@ from common.settings import Settings
 from scheduler import queue_index
 from storage import lifecycle, queries
 from storage.outputs import OutputStore
-from storage.tables import Job, JobState, User
+from storage.tables import Job, JobClass, JobState, User
 
 # Job bodies are parsed by FastAPI itself; the route class bounds their nesting first.
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=DepthCheckedRoute)
@@ -85,6 +85,7 @@ def list_jobs(
     status_: Annotated[list[JobState] | None, Query(alias="status",
                                                     description="repeatable")] = None,
     model: Annotated[str | None, Query(max_length=100, pattern=SafeQuery)] = None,
+    job_class: Annotated[JobClass | None, Query(alias="class")] = None,
     batch_id: Annotated[str | None, Query(max_length=20, pattern=SafeQuery)] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(max_length=200, pattern=SafeQuery)] = None,
@@ -96,7 +97,8 @@ def list_jobs(
     try:
         page, next_cursor = queries.list_jobs(
             session, user, states=[s.value for s in status_ or []], model=model,
-            batch_id=batch_id, owner_id=owner_id, limit=limit, cursor=cursor,
+            job_class=job_class.value if job_class else None, batch_id=batch_id,
+            owner_id=owner_id, limit=limit, cursor=cursor,
             newest_first=order == "desc",
         )
     except ValueError as exc:

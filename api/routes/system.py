@@ -26,13 +26,18 @@ def list_workers(user: CurrentUser, session: SessionDep,
     running = queries.running_jobs_by_group(session, [g.id for g, _ in groups])
     data = []
     for group, stale in groups:
-        mine = {j.id for j in running.get(group.id, []) if user.is_admin or j.owner_id == user.id}
+        mine = {j.id: j for j in running.get(group.id, [])
+                if user.is_admin or j.owner_id == user.id}
         ranks = []
         for entry in group.ranks:
             fields = {k: entry.get(k) for k in RankPublic.model_fields}
-            if fields.get("job_id") not in mine:
-                fields["job_id"] = None
+            job = mine.get(fields.get("job_id") or "")
+            fields["job_id"] = job.id if job else None
+            if job is not None:
+                fields["step"] = job.progress_step
+                fields["total_steps"] = job.progress_total or job.num_inference_steps
             ranks.append(RankPublic.model_validate(fields))
+        pss = [r.host_mem_bytes for r in ranks if r.host_mem_bytes is not None]
         sp = max(1, group.world_size // max(1, group.dp_size))
         replicas = [ReplicaPublic(replica=i, ranks=list(range(i * sp, (i + 1) * sp)))
                     for i in range(group.dp_size)]
@@ -45,7 +50,7 @@ def list_workers(user: CurrentUser, session: SessionDep,
             plan=group.plan, world_size=group.world_size, replicas=replicas,
             state=group.state, reason=group.state_reason, stale=stale,
             started_at=group.started_at,
-            heartbeat_at=group.heartbeat_at, ranks=ranks,
+            heartbeat_at=group.heartbeat_at, ranks=ranks, host_mem_bytes=sum(pss) if pss else None,
             num_running=len(running.get(group.id, [])), current_jobs=sorted(mine),
         ))
     return WorkerGroupList(data=data)

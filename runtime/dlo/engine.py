@@ -487,6 +487,17 @@ class DLOHandle:
             (index,) = self._inflight
             self._release(index, self._acquire(index))
 
+    def weight_figures(self) -> dict[str, int]:
+        """What this handle keeps of the model's weights, without waiting on the device: the
+        blocks, how many stay resident, the device bytes their buffers take (the resident
+        blocks and the two slots) and the model's own size (its blocks, unsharded, and the
+        tensors kept resident beside them)."""
+        resident = sum(lay.padded_bytes for lay in self._layouts[: self._num_resident])
+        return {"num_blocks": len(self._layouts), "resident_blocks": self._num_resident,
+                "device_weight_buffer_bytes": resident + 2 * self._max_streamed_bytes,
+                "model_bytes": self._resident_bytes + sum(lay.padded_bytes
+                                                          for lay in self._layouts)}
+
     def stats(self) -> dict[str, Any]:
         if self._timing_events:
             self.platform.synchronize()

@@ -5,6 +5,10 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
+from storage import lifecycle
+
 
 def _submit(api, who: str) -> str:  # noqa: ANN001
     body = {"prompt": "a red circle", "width": 64, "height": 64, "num_frames": 9,
@@ -17,7 +21,24 @@ def _submit(api, who: str) -> str:  # noqa: ANN001
 def test_dashboard_page_is_served_without_a_key_and_holds_no_data(api) -> None:  # noqa: ANN001
     r = api.client.get("/dashboard")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    assert "/v1/summary" in r.text and "Worker groups" in r.text
+    assert "script-src 'self'" in r.headers["content-security-policy"]
+    page = r.text
+    for view in ("overview", "jobs", "workers", "batches"):
+        assert f'data-view="{view}"' in page and f'href="#{view}"' in page
+    assert '<script src="/dashboard/assets/dashboard.js"></script>' in page
+    assert "<script>" not in page  # only kiln's own scripts run on it
+    script = api.client.get("/dashboard/assets/dashboard.js")
+    assert script.status_code == 200 and "/v1/summary" in script.text
+    assert api.client.get("/dashboard/assets/nothing.js").status_code == 404
+    assert api.client.get("/dashboard/assets/..%2Fapp.py").status_code == 404
+
+
+def _fail(api, job_id: str, error: str) -> None:  # noqa: ANN001
+    with api.session() as s:
+        claim = lifecycle.claim_job(s, job_id, worker_group_id="test-group", rank=0,
+                                    lease_seconds=60)
+        assert claim is not None
+        lifecycle.fail_job(s, job_id, claim.attempt_token, error=error, code="render_failed")
 
 
 def test_summary_counts_only_the_callers_jobs_unless_admin(api) -> None:  # noqa: ANN001
@@ -26,27 +47,69 @@ def test_summary_counts_only_the_callers_jobs_unless_admin(api) -> None:  # noqa
     _submit(api, "bob")
     api.finish(done)
     alice = api.client.get("/v1/summary", headers=api.auth("alice")).json()
-    assert alice == {"jobs_by_state": {"queued": 1, "succeeded": 1}, "videos_last_hour": 1}
+    assert alice["jobs_by_state"] == {"queued": 1, "succeeded": 1}
+    assert alice["jobs_by_class"] == {"interactive": {"queued": 1, "succeeded": 1}}
+    assert alice["videos_last_hour"] == 1 and alice["videos_since_start"] == 1
+    assert alice["queue_depth"] == 1 and alice["viewer"] == "alice" and not alice["is_admin"]
     bob = api.client.get("/v1/summary", headers=api.auth("bob")).json()
-    assert bob == {"jobs_by_state": {"queued": 1}, "videos_last_hour": 0}
+    assert bob["jobs_by_state"] == {"queued": 1} and bob["videos_last_hour"] == 0
+    assert bob["videos_per_hour"] is None and bob["queue_eta_seconds"] is None
     root = api.client.get("/v1/summary", headers=api.auth("root")).json()
-    assert root == {"jobs_by_state": {"queued": 2, "succeeded": 1}, "videos_last_hour": 1}
+    assert root["jobs_by_state"] == {"queued": 2, "succeeded": 1} and root["is_admin"]
+
+
+def test_summary_gives_throughput_the_queues_eta_and_the_hours_failures(api) -> None:  # noqa: ANN001
+    jobs = [_submit(api, "alice") for _ in range(5)]
+    api.finish(jobs[0])
+    api.finish(jobs[1])
+    _fail(api, jobs[2], "out of memory: <4 GiB> free")
+    s = api.client.get("/v1/summary", headers=api.auth("alice")).json()
+    # Two videos within a minute of their start: read over a minute at least, 120 an hour.
+    assert s["videos_last_hour"] == 2 and s["videos_per_hour"] == pytest.approx(120, rel=0.05)
+    assert s["queue_depth"] == 2
+    assert s["queue_eta_seconds"] == pytest.approx(3600 * 2 / s["videos_per_hour"])
+    assert s["failures_last_hour"] == 1
+    [failure] = s["recent_failures"]
+    assert failure["id"] == jobs[2] and failure["status"] == "failed"
+    assert failure["error"] == "out of memory: <4 GiB> free"
+    assert api.client.get("/v1/summary", headers=api.auth("bob")).json()["recent_failures"] == []
 
 
 def test_summary_needs_a_key(api) -> None:  # noqa: ANN001
     assert api.client.get("/v1/summary").status_code == 401
 
 
-def test_dashboard_page_shows_batches_and_escapes_user_text(api) -> None:  # noqa: ANN001
-    page = api.client.get("/dashboard").text
-    assert "<h2>Batches</h2>" in page and "/v1/batches?limit=" in page and "/report" in page
-    # Names, prompts, errors and owners are user text: the page reads them only to test them
-    # (`b.name ? ...`) or to put them through esc().
-    uses = list(re.finditer(r"\b[a-z]\.(name|prompt|error|owner)\b", page))
-    assert len(uses) >= 6
+def test_models_list_the_served_models_with_their_defaults_and_rules(api) -> None:  # noqa: ANN001
+    r = api.client.get("/v1/models", headers=api.auth("alice"))
+    assert r.status_code == 200
+    [tiny] = [m for m in r.json()["data"] if m["id"] == "kiln-tiny"]
+    assert tiny["defaults"]["width"] == 64 and tiny["defaults"]["num_frames"] == 9
+    assert tiny["size_multiple"] == 16 and tiny["frame_stride"] == 4
+    assert api.client.get("/v1/models").status_code == 401
+
+
+def test_jobs_filter_by_class(api) -> None:  # noqa: ANN001
+    body = {"prompt": "a red circle", "class": "batch"}
+    r = api.client.post("/v1/jobs", json=body, headers=api.auth("alice"))
+    assert r.status_code == 201, r.text
+    night = r.json()["id"]
+    _submit(api, "alice")
+    listed = api.client.get("/v1/jobs", params={"class": "batch"}, headers=api.auth("alice"))
+    assert [j["id"] for j in listed.json()["data"]] == [night]
+    bad = api.client.get("/v1/jobs", params={"class": "urgent"}, headers=api.auth("alice"))
+    assert bad.status_code == 422
+
+
+def test_dashboard_script_escapes_user_text(api) -> None:  # noqa: ANN001
+    script = api.client.get("/dashboard/assets/dashboard.js").text
+    # Names, prompts, errors, owners and reasons are user text: the script reads them only to
+    # test them (`b.name ? ...`) or to put them through esc().
+    uses = list(re.finditer(r"\b[a-z]\.(name|prompt|error|owner|reason)\b", script))
+    assert len(uses) >= 8
     for use in uses:
-        assert page[:use.start()].endswith("esc(") or re.match(r"\s*\?", page[use.end():]), (
-            page[use.start() - 40:use.end() + 20])
+        before, after = script[:use.start()], script[use.end():]
+        assert (before.endswith("esc(") or re.match(r"\s*(\?|\|\||&&|\))", after)
+                or re.match(r"\.message", after)), script[use.start() - 40:use.end() + 20]
 
 
 def test_the_listed_batches_carry_what_the_panel_shows_to_their_owner_only(api) -> None:  # noqa: ANN001
