@@ -2,8 +2,9 @@
 timeline from ``job_events`` (created, each attempt with its worker group, rank and outcome,
 finished), its video and thumbnail, its error, and a cancel button.
 
-Every piece of user text goes through `html.escape`. The page's script (``assets/job_page.js``,
-served by kiln) fetches the outputs with the key and keeps the page current from ``GET /v1/events``.
+Every piece of user text goes through `html.escape`. The page's scripts, served by kiln
+(``assets/page.js``, shared with the batch page, and ``assets/job_page.js``), fetch the outputs
+with the key and keep the page current from ``GET /v1/events``.
 """
 
 from __future__ import annotations

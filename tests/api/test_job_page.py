@@ -64,9 +64,12 @@ def test_a_running_job_has_a_cancel_button_and_its_page_goes_live(api) -> None: 
     page = api.client.get(f"/dashboard/jobs/{job}", headers=api.auth("alice")).text
     assert '<button id="cancel"' in page and 'data-terminal="false"' in page
     assert 'data-last-event="' in page
+    assert '<script src="/dashboard/assets/page.js"></script>' in page
+    shared = api.client.get("/dashboard/assets/page.js")
+    assert shared.status_code == 200 and "javascript" in shared.headers["content-type"]
+    assert "kiln.live({" in shared.text  # /v1/events, polling as the fallback (kiln.js)
     script = api.client.get("/dashboard/assets/job_page.js")
     assert script.status_code == 200 and "javascript" in script.headers["content-type"]
-    assert "new EventSource(`/v1/events?key=" in script.text
     assert "/cancel`, { method: \"POST\" }" in script.text
 
 
