@@ -17,6 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from common.families import family_of
 from storage.tables import TERMINAL_STATES, Job, JobEvent, JobState
 
 _FRAME = Path(__file__).resolve().parent / "job_page.html"
@@ -146,6 +147,8 @@ def _parameters(job: Job, owner: str | None) -> str:
 
 
 def _media(job: Job) -> str:
+    if job.state == JobState.RUNNING and family_of(job.model).previews:
+        return _preview(job)
     if job.state != JobState.SUCCEEDED:
         return ""
     video = f"/v1/jobs/{job.id}/video"
@@ -163,6 +166,16 @@ def _media(job: Job) -> str:
     if not parts:
         return '<p class="empty">the outputs have been deleted</p>'
     return f'<section><h2>Video</h2><div class="media">{"".join(parts)}</div></section>'
+
+
+def _preview(job: Job) -> str:
+    """A running job's newest preview frame; hidden until the page's script has fetched one
+    and set the step it shows. (No width and height: the stylesheet sizes it, at its aspect.)"""
+    total = job.progress_total or job.num_inference_steps
+    return (f'<section hidden><h2>Preview</h2><div class="media"><figure>'
+            f'<img class="preview" data-src="/v1/jobs/{_e(job.id)}/preview" alt="preview">'
+            '<figcaption>current estimate, step '
+            f'{_e(job.progress_step)} of {_e(total)}</figcaption></figure></div></section>')
 
 
 def render_main(job: Job, events: Sequence[JobEvent], group_names: dict[str, str], *,

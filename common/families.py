@@ -51,6 +51,9 @@ class Family:
     # The largest job a deployment accepts unless it says otherwise (Settings.max_job_tokens):
     # video tokens per step (`tokens`). The work bound is this step 50 times.
     max_tokens: int
+    # Whether its pipeline offers a preview frame while a job runs (the pipeline's
+    # ``can_preview``, known here without torch for the job page).
+    previews: bool = False
 
 
 # kiln-tiny (``runtime.models.tiny.TinyConfig``): spatial_compression 8 times patch_size 2, and
@@ -65,6 +68,7 @@ TINY = Family(
     # It renders on CPUs: 16,384 tokens (1024x1024, 13 frames) is a 20 s step on one core of a
     # 2-core machine (one rank of `--dp 2`), a sixth of the default lease; see Settings.
     max_tokens=16_384,
+    previews=True,
 )
 # Wan2.1 and Wan2.2 T2V: ``WanPipeline.__call__``'s defaults (832x480, 81 frames, 50 steps,
 # guidance 5) at the 16 fps of its examples; ``check_inputs`` wants sizes divisible by 16;

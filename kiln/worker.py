@@ -633,7 +633,7 @@ class Coordinator:
 
 def store_writer(store: OutputStore) -> OutputWriter:
     """The ranks' ``write``: a finished job's MP4 and thumbnail, into ``store``; while the store
-    fails it keeps the encoded files for the next try."""
+    fails it keeps the encoded files for the next try. It stores running jobs' previews too."""
     return OutputWriter(store)
 
 
@@ -650,7 +650,8 @@ def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> No
                          device_budget=config.device_budget,
                          max_tokens=settings.max_job_tokens)
     loop = RankLoop(ctx.rank, pipe, store_writer(make_store(settings)), platform,
-                    host_memory_every_seconds=config.report_seconds, layout=layout)
+                    host_memory_every_seconds=config.report_seconds, layout=layout,
+                    preview_every_steps=settings.preview_every_steps)
     coordinator = None
     if ctx.rank == 0:
         mode = "allgather" if config.use_allgather and ctx.world > 1 else "rank_local"

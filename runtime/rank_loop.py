@@ -27,6 +27,14 @@ finished jobs waiting for their files; at the bound it takes no new job (`RankSt
 and the driver sees why (`RankStatus.store_error`). A job the driver gives up (`StepPlan.abandon`:
 its attempt was handed back) is dropped, and so is every job still held when the loop ends.
 
+Previews: where the pipeline offers them (``can_preview``) and ``write`` stores them, a replica's
+leader takes one every ``preview_every_steps`` steps of its job, after the step (the decode of one
+frame is the only time it adds to the lock-step turn), and hands it to a preview thread of its own,
+which stores it in place of the last (``write.preview``) and deletes it when the job ends
+(``write.drop_preview``). Only the newest preview waits for that thread; a preview that fails, to
+decode or to store, is logged and skipped: it never fails the job, holds up its files, or counts as
+a store fault.
+
 While no rank has work, the driver still returns an empty plan every so often, so the other ranks
 never sit in a collective long enough to time out.
 """
@@ -53,7 +61,9 @@ log = logging.getLogger(__name__)
 # (uint8 frames [N, H, W, 3] as numpy, job id, fps) -> (video key, thumbnail key), on the
 # rank's writer thread. It raises OSError when the storage failed (the job is kept and tried
 # again), anything else when these frames cannot be written (the job fails). It may have
-# ``discard(job_id)`` (drop what it keeps for a job given up) and ``close()``.
+# ``discard(job_id)`` (drop what it keeps for a job given up) and ``close()``, and for previews
+# ``preview(frame [H, W, 3] uint8 numpy, job_id, step, num_steps)`` and ``drop_preview(job_id)``,
+# called on the rank's preview thread.
 WriteOutputs = Callable[[Any, str, int], tuple[str, str]]
 
 # While the storage refuses a rank's writes, the writer thread waits this long before the first
@@ -121,6 +131,16 @@ class RankStatus:
     store_error: str | None = None
 
 
+@dataclass(slots=True)
+class _Preview:
+    """A running job's newest preview frame, waiting for the preview thread."""
+
+    job_id: str
+    step: int
+    num_steps: int
+    frame: Any  # uint8 [H, W, 3]
+
+
 @dataclass(eq=False, slots=True)
 class _Held:
     """A finished job whose files the writer thread is storing."""
@@ -152,7 +172,8 @@ class RankLoop:
 
     def __init__(self, rank: int, pipe: VideoPipeline, write: WriteOutputs, platform: Any,
                  host_memory_every_seconds: float = 0.0,
-                 max_held_jobs: int = MAX_HELD_JOBS, layout: Layout = SOLO) -> None:
+                 max_held_jobs: int = MAX_HELD_JOBS, layout: Layout = SOLO,
+                 preview_every_steps: int = 0) -> None:
         self.rank = rank
         self.layout = layout
         # The replica this rank renders with, named by its first rank; only that rank (the
@@ -177,6 +198,18 @@ class RankLoop:
         self._writer = threading.Thread(target=self._write_held, daemon=True,
                                         name=f"kiln-writer-{rank}")
         self._writer.start()
+        # Previews (0: none): the leader's, of a pipeline that offers them, into a ``write``
+        # that stores them. The preview thread takes ``_preview`` (the newest) and the jobs whose
+        # preview is to be deleted, under ``_writes``.
+        self.preview_every_steps = preview_every_steps if (
+            preview_every_steps > 0 and self.leads and pipe.can_preview
+            and hasattr(write, "preview") and hasattr(write, "drop_preview")) else 0
+        self._preview: _Preview | None = None
+        self._previews_ended: list[str] = []
+        if self.preview_every_steps:
+            self._previewer = threading.Thread(target=self._store_previews, daemon=True,
+                                               name=f"kiln-preview-{rank}")
+            self._previewer.start()
         # Reading /proc/self/smaps_rollup walks every mapping (the mmapped weights included):
         # milliseconds per read, so it is read once per report, not once per step.
         self.host_memory_every_seconds = host_memory_every_seconds
@@ -217,6 +250,8 @@ class RankLoop:
             return ended if self.leads else None
         self.compute_seconds += time.perf_counter() - started
         if not self.state.done:
+            if self.preview_every_steps and self.state.step_index % self.preview_every_steps == 0:
+                self._take_preview()
             return None
         assert self.ticket is not None
         if not self.leads:  # the replica's leader decodes and stores the video
@@ -301,6 +336,52 @@ class RankLoop:
                     self.store_error = None
                 self._writes.notify_all()
 
+    def _take_preview(self) -> None:
+        """The running job's preview, for the preview thread in place of one it has not taken."""
+        assert self.state is not None and self.ticket is not None
+        try:
+            frame = self.pipe.preview(self.state).numpy()
+        except Exception:
+            log.warning("rank %d: no preview of job %s", self.rank, self.ticket.job_id,
+                        exc_info=True)
+            return
+        with self._writes:
+            self._preview = _Preview(self.ticket.job_id, self.state.step_index,
+                                     self.state.num_inference_steps, frame)
+            self._writes.notify_all()
+
+    def _store_previews(self) -> None:
+        """The preview thread: stores the newest preview and deletes those of ended jobs
+        (after any of theirs it was storing; on the way out, only that); a store that refuses
+        either is logged (the first of a run of refused previews) and not retried."""
+        put, drop = self.write.preview, self.write.drop_preview  # type: ignore[attr-defined]
+        closing = refused = False
+        while not closing:
+            with self._writes:
+                self._writes.wait_for(lambda: self._closing or self._preview is not None
+                                      or bool(self._previews_ended))
+                closing = self._closing
+                preview, self._preview = None if closing else self._preview, None
+                ended, self._previews_ended = self._previews_ended, []
+            if preview is not None:
+                try:
+                    put(preview.frame, preview.job_id, preview.step, preview.num_steps)
+                except Exception as exc:
+                    if not refused:
+                        log.warning("rank %d: job %s's preview not stored: %s", self.rank,
+                                    preview.job_id, _one_line(exc))
+                    refused = True
+                else:
+                    if refused:
+                        log.info("rank %d: previews are stored again", self.rank)
+                    refused = False
+            for job_id in ended:
+                try:
+                    drop(job_id)
+                except Exception as exc:
+                    log.warning("rank %d: job %s's preview not deleted: %s", self.rank, job_id,
+                                _one_line(exc))
+
     def _discard(self, job_id: str | None) -> None:
         discard = getattr(self.write, "discard", None)
         if discard is not None and job_id is not None:
@@ -313,6 +394,8 @@ class RankLoop:
             given_up, self._held = self._held, []
             self._writes.notify_all()
         self._writer.join(timeout=CLOSE_WAIT_SECONDS)
+        if self.preview_every_steps:
+            self._previewer.join(timeout=CLOSE_WAIT_SECONDS)
         if given_up:
             log.warning("rank %d: leaving with %d job(s) whose files were not stored: %s",
                         self.rank, len(given_up), ", ".join(h.final.job_id or "" for h in given_up))
@@ -326,6 +409,13 @@ class RankLoop:
 
     def _end(self, **kwargs: Any) -> RankStatus:
         status = self._status(**kwargs)
+        if self.preview_every_steps and self.ticket is not None:
+            job_id = self.ticket.job_id
+            with self._writes:
+                if self._preview is not None and self._preview.job_id == job_id:
+                    self._preview = None
+                self._previews_ended.append(job_id)
+                self._writes.notify_all()
         self.ticket = self.state = None
         self.compute_seconds = 0.0
         return status

@@ -1,9 +1,10 @@
 """Output stores: where finished videos and thumbnails live.
 
 One small interface, two implementations: `LocalStore` (a directory; the default) and `S3Store`
-(any S3-compatible server; needs the ``s3`` extra). Keys come from `video_key` / `thumbnail_key`,
-which derive them from the job id alone, so no request field ever becomes part of a path. Every
-write is atomic: a write that fails leaves nothing under the key (or the object that was there).
+(any S3-compatible server; needs the ``s3`` extra). Keys come from `video_key`, `thumbnail_key`
+and `preview_key` (a running job's latest preview frame), which derive them from the job id
+alone, so no request field ever becomes part of a path. Every write is atomic: a write that
+fails leaves nothing under the key (or the object that was there).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import os
 import re
 import shutil
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -29,6 +31,39 @@ def video_key(job_id: str) -> str:
 
 def thumbnail_key(job_id: str) -> str:
     return _checked(f"thumbnails/{job_id}.png")
+
+
+def preview_key(job_id: str) -> str:
+    """A running job's newest preview frame (PNG), replaced while it runs, deleted when it ends."""
+    return _checked(f"previews/{job_id}.png")
+
+
+# A preview PNG's text chunk that says which step it shows: "k/n" (`storage.video.preview_png`).
+PREVIEW_STEP_KEYWORD = "kiln-step"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def preview_step(png: bytes) -> tuple[int, int] | None:
+    """(step, steps) a preview shows, from its text chunk, read without an image library (the
+    API reads it on every request); None when it does not say."""
+    if not png.startswith(_PNG_SIGNATURE):
+        return None
+    keyword = PREVIEW_STEP_KEYWORD.encode()
+    pos = len(_PNG_SIGNATURE)
+    while pos + 8 <= len(png):
+        length, kind = struct.unpack(">I4s", png[pos:pos + 8])
+        if kind == b"IDAT":  # the text chunk is written before the image data
+            return None
+        if kind == b"tEXt":
+            name, _, text = png[pos + 8:pos + 8 + length].partition(b"\0")
+            if name == keyword:
+                step, _, total = text.partition(b"/")
+                try:
+                    return int(step), int(total)
+                except ValueError:
+                    return None
+        pos += 12 + length  # length, type, data, CRC
+    return None
 
 
 def _checked(key: str) -> str:

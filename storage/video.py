@@ -3,12 +3,14 @@
 Both are written atomically: into a temporary file in the destination's directory, then
 ``os.replace``d over the final name, so a reader never sees a half-written file and a crash leaves
 at most a hidden ``.*.tmp`` file behind. `OutputWriter` encodes a finished job's files and puts
-them into an output store, keeping them while the store fails.
+them into an output store, keeping them while the store fails, and stores a running job's
+preview frames.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import os
 import shutil
 import tempfile
@@ -19,10 +21,17 @@ from typing import Any
 
 import av
 import numpy as np
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from common.files import atomic_path
-from storage.outputs import OutputStore, OutputStoreError, thumbnail_key, video_key
+from storage.outputs import (
+    PREVIEW_STEP_KEYWORD,
+    OutputStore,
+    OutputStoreError,
+    preview_key,
+    thumbnail_key,
+    video_key,
+)
 
 DEFAULT_FPS = 16  # Wan's frame rate
 
@@ -99,6 +108,17 @@ def write_thumbnail(frame: object, path: str | os.PathLike[str]) -> Path:
     return path
 
 
+def preview_png(frame: object, step: int, num_steps: int) -> bytes:
+    """One [H, W, 3] frame as PNG bytes that say which step they show
+    (`storage.outputs.preview_step` reads it)."""
+    rgb = to_uint8(np.asarray(frame)[None])[0]
+    info = PngImagePlugin.PngInfo()
+    info.add_text(PREVIEW_STEP_KEYWORD, f"{step}/{num_steps}")
+    out = io.BytesIO()
+    Image.fromarray(rgb).save(out, format="PNG", pnginfo=info)
+    return out.getvalue()
+
+
 def thumbnail_path(video_path: str | os.PathLike[str]) -> Path:
     return Path(video_path).with_suffix(".png")
 
@@ -153,6 +173,25 @@ class OutputWriter:
                 raise OutputStoreError.of(key, exc) from exc
         self.discard(job_id)
         return keys
+
+    def preview(self, frame: object, job_id: str, step: int, num_steps: int) -> None:
+        """A running job's preview frame (uint8 [H, W, 3]) as a PNG under `preview_key`, in
+        place of the last one; raises `storage.outputs.OutputStoreError` when the store refuses
+        it. Nothing is kept: the next preview replaces this one anyway."""
+        key = preview_key(job_id)
+        data = preview_png(frame, step, num_steps)
+        try:
+            self.store.put_bytes(key, data)
+        except Exception as exc:
+            raise OutputStoreError.of(key, exc) from exc
+
+    def drop_preview(self, job_id: str) -> None:
+        """Deletes the job's preview (there may be none)."""
+        key = preview_key(job_id)
+        try:
+            self.store.delete(key)
+        except Exception as exc:
+            raise OutputStoreError.of(key, exc) from exc
 
     def kept(self) -> list[str]:
         """The jobs whose encoded files wait for the store."""

@@ -15,7 +15,7 @@
   }
 
   function hydrate(m, page) {
-    for (const el of m.querySelectorAll("[data-src]")) {
+    for (const el of m.querySelectorAll("[data-src]:not(.preview)")) {
       objectUrl(page, el.dataset.src).then((u) => { el.src = u; }, (e) => page.showError(e.message));
     }
     for (const el of m.querySelectorAll("video[data-poster]")) {
@@ -33,6 +33,22 @@
     }
     const cancel = document.getElementById("cancel");
     if (cancel) cancel.addEventListener("click", (e) => onCancel(e, page));
+    loadPreview(page);
+  }
+
+  // A running job's newest preview, fetched anew (none yet: a 404, asked again on progress).
+  async function loadPreview(page) {
+    const img = page.main().querySelector("img.preview");
+    if (!img) return;
+    try {
+      const r = await page.api(img.dataset.src);
+      const [step, total] = (r.headers.get("Kiln-Preview-Step") || "").split("/");
+      const old = img.src;
+      img.src = URL.createObjectURL(await r.blob());
+      if (old.startsWith("blob:")) URL.revokeObjectURL(old);
+      if (total) img.nextElementSibling.textContent = `current estimate, step ${step} of ${total}`;
+      img.closest("section").hidden = false;
+    } catch (_) {}
   }
 
   async function onCancel(e, page) {
@@ -58,7 +74,7 @@
     hydrate,
     onMessage(d, page) {
       if (d.job_id !== jobId) return;
-      if (d.type === "progress") onProgress(d);
+      if (d.type === "progress") { onProgress(d); loadPreview(page); }
       else if (d.type === "job") page.refresh();
     },
   });

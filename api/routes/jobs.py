@@ -1,7 +1,8 @@
-"""Native job routes: submit, read, list, cancel, download."""
+"""Native job routes: submit, read, list, cancel, download, a running job's preview."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Path, Query, Response, status
@@ -13,10 +14,11 @@ from api import jobs
 from api.bodies import DepthCheckedRoute
 from api.deps import CurrentUser, QueueRoomDep, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.schemas import JobCreate, JobList, JobPublic, SafeQuery
+from common.families import family_of
 from common.settings import Settings
 from scheduler import queue_index
 from storage import lifecycle, queries
-from storage.outputs import OutputStore
+from storage.outputs import OutputStore, preview_key, preview_step
 from storage.tables import Job, JobClass, JobState, User
 
 # Job bodies are parsed by FastAPI itself; the route class bounds their nesting first.
@@ -167,3 +169,31 @@ def get_video(job_id: JobId, user: CurrentUser, session: SessionDep,
 def get_thumbnail(job_id: JobId, user: CurrentUser, session: SessionDep,
                   store: StoreDep) -> Response:
     return serve_output(store, visible_job(session, job_id, user), "thumbnail")
+
+
+@router.get("/{job_id}/preview", response_class=Response,
+            responses={200: {"content": {"image/png": {}}},
+                       404: {"description": "No preview: none yet, the job is not running, or "
+                                            "its model offers none"}})
+def get_preview(job_id: JobId, user: CurrentUser, session: SessionDep,
+                store: StoreDep) -> Response:
+    """The newest preview frame of a running job (the current estimate of its middle frame,
+    every few steps, from models that offer one: kiln-tiny). ``Kiln-Preview-Step: k/n``: the
+    step it shows."""
+    job = visible_job(session, job_id, user)
+    if not family_of(job.model).previews:
+        raise HTTPException(status.HTTP_404_NOT_FOUND,
+                            f"the model {job.model} offers no preview")
+    if job.state != JobState.RUNNING:
+        raise HTTPException(status.HTTP_404_NOT_FOUND,
+                            f"the job is {job.state}; a preview exists only while it runs")
+    try:
+        with contextlib.closing(store.open(preview_key(job.id))) as stream:
+            data = stream.read()
+    except FileNotFoundError as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "no preview of this job yet") from exc
+    headers = {"Cache-Control": "no-store"}
+    shows = preview_step(data)
+    if shows is not None:
+        headers["Kiln-Preview-Step"] = f"{shows[0]}/{shows[1]}"
+    return Response(data, media_type="image/png", headers=headers)

@@ -17,6 +17,10 @@ Every pipeline offers
 - ``pipe.idle_step(active)``: the same gathers for a rank that has no job this step.
 - ``pipe.decode(state)``: float frames ``[N, H, W, 3]`` in [0, 1] (request-tiled, see
   ``runtime.tiling``).
+- ``pipe.preview(state)``, only where ``pipe.can_preview``: one uint8 frame of the current
+  estimate of the clean video, cheap enough to take every few steps while the job runs. Local
+  work (no collective, no streamed transformer) that leaves ``state`` as it was, so the rendered
+  video is the same with or without previews.
 
 Why: the ranks of a DLO group issue one gather per block per forward, and a gather completes only
 when every rank issues it. So between two step boundaries every rank must run the same number of
@@ -103,6 +107,8 @@ class VideoPipeline(abc.ABC):
     #: Forwards of each active streamed transformer per step, whatever the job (an instance
     #: may set its own).
     forwards_per_step: int = 1
+    #: Whether `preview` is offered: cheap next to a step, and local to the rank.
+    can_preview: bool = False
 
     def __init__(self, handles: Sequence[DLOHandle | None]) -> None:
         self.handles = list(handles)
@@ -118,6 +124,11 @@ class VideoPipeline(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, state: DenoiseState) -> torch.Tensor: ...
+
+    def preview(self, state: DenoiseState) -> torch.Tensor:
+        """The middle frame of the current estimate of the clean video, uint8 ``[H, W, 3]`` on
+        the CPU; what the estimate is, each pipeline says. Only where ``can_preview``."""
+        raise NotImplementedError(f"{type(self).__name__} offers no preview")
 
     def handles_needed(self, state: DenoiseState) -> list[bool]:
         """Per entry of ``handles``: whether this job's next step runs that transformer."""

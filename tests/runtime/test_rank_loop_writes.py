@@ -1,6 +1,8 @@
 """A rank's writer thread: a write the storage refuses keeps the job and tries it again with a
 backoff, never rendering it again; a rank holds a bounded number of finished jobs; a job given
-up is dropped; leaving gives up what is still held without waiting out a backoff."""
+up is dropped; leaving gives up what is still held without waiting out a backoff. The leader's
+preview thread stores a kiln-tiny job's preview every few steps, and a store that refuses one
+costs the job nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import torch
 
 from runtime import rank_loop
 from runtime.pipelines.base import DenoiseState, VideoRequest
+from runtime.pipelines.tiny import TinyPipeline
 from runtime.rank_loop import RankLoop, RankStatus, StepPlan, Ticket
+from runtime.sequence import SOLO, Layout
 
 STEPS = 2
 
@@ -206,3 +210,122 @@ def test_leaving_gives_up_the_held_jobs_without_waiting_out_the_backoff(
     assert time.monotonic() - started < 2
     assert write.closed and not loop._writer.is_alive()
     assert write.tries("a") == 1
+
+
+class PreviewWrite:
+    """The ranks' ``write`` for a kiln-tiny job, with previews: records what it was given;
+    ``preview_error``, when set, is what storing a preview raises."""
+
+    def __init__(self) -> None:
+        self.frames: dict[str, Any] = {}
+        self.previews: list[tuple[str, int, int, Any]] = []  # (job, step, steps, frame)
+        self.dropped: list[str] = []
+        self.preview_error: Exception | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, frames: Any, job_id: str, fps: int) -> tuple[str, str]:
+        self.frames[job_id] = frames
+        return f"videos/{job_id}.mp4", f"thumbnails/{job_id}.png"
+
+    def preview(self, frame: Any, job_id: str, step: int, num_steps: int) -> None:
+        if self.preview_error is not None:
+            raise self.preview_error
+        with self.lock:
+            self.previews.append((job_id, step, num_steps, frame))
+
+    def drop_preview(self, job_id: str) -> None:
+        with self.lock:
+            self.dropped.append(job_id)
+
+    def steps(self) -> list[int]:
+        with self.lock:
+            return [p[1] for p in self.previews]
+
+
+TINY_REQUEST = VideoRequest(prompt="a red circle moving left", seed=3, width=64, height=64,
+                            num_frames=9, fps=8, num_inference_steps=6)
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe() -> Any:
+    # Resident: a loop's close() closes its pipeline, which is then nothing to close.
+    return TinyPipeline.load(offload=False)
+
+
+def _tiny_job(loop: RankLoop, job_id: str, between: Any = None) -> RankStatus:
+    """Runs ``job_id`` (TINY_REQUEST) on ``loop``; ``between(step)`` after each step but the
+    last; the status it ended with."""
+    loop.apply(StepPlan(assign={0: Ticket(job_id=job_id, attempt_token=f"t-{job_id}",
+                                          request=TINY_REQUEST)}, step=True))
+    for step in range(1, TINY_REQUEST.num_inference_steps):
+        assert loop.step() is None
+        if between is not None:
+            between(step)
+    ended = loop.step()
+    assert ended is not None
+    return ended
+
+
+def test_the_leader_stores_a_kiln_tiny_preview_every_n_steps_and_drops_it_at_the_end(
+        tiny_pipe: Any) -> None:
+    write = PreviewWrite()
+    loop = RankLoop(0, tiny_pipe, write, PLATFORM, preview_every_steps=2)  # type: ignore[arg-type]
+    try:
+        def caught_up(step: int) -> None:  # the thread keeps only the newest: see each one
+            _until(lambda: write.steps() == list(range(2, step + 1, 2)))
+
+        assert _tiny_job(loop, "p", caught_up).outcome == "rendered"
+        [done] = _collect(loop, 1)
+        assert done.outcome == "succeeded"
+        _until(lambda: write.dropped == ["p"])
+    finally:
+        loop.close()
+    # Steps 2 and 4 of 6 (the sixth is the video itself), each a frame of the clip's size.
+    assert [(j, s, n) for j, s, n, _ in write.previews] == [("p", 2, 6), ("p", 4, 6)]
+    for *_, frame in write.previews:
+        assert frame.shape == (64, 64, 3) and frame.dtype.name == "uint8"
+    assert not (write.previews[0][3] == write.previews[1][3]).all()
+
+    # The same job without previews renders the same frames, bit for bit.
+    plain = PreviewWrite()
+    loop = RankLoop(0, tiny_pipe, plain, PLATFORM)  # type: ignore[arg-type]
+    try:
+        _tiny_job(loop, "p")
+        _collect(loop, 1)
+    finally:
+        loop.close()
+    assert plain.previews == [] and plain.dropped == []
+    assert (plain.frames["p"] == write.frames["p"]).all()
+
+
+def test_a_preview_the_store_refuses_is_logged_and_neither_fails_nor_holds_up_the_job(
+        tiny_pipe: Any, caplog: pytest.LogCaptureFixture) -> None:
+    write = PreviewWrite()
+    write.preview_error = OSError(28, "No space left on device")
+    loop = RankLoop(0, tiny_pipe, write, PLATFORM, preview_every_steps=1)  # type: ignore[arg-type]
+    try:
+        _tiny_job(loop, "q", lambda step: _until(
+            lambda: "job q's preview not stored: OSError: [Errno 28]" in caplog.text))
+        report = loop.report()
+        assert report.store_error is None and report.takes_jobs  # no store fault
+        [done] = _collect(loop, 1)
+        assert done.outcome == "succeeded" and done.video_key == "videos/q.mp4"
+    finally:
+        loop.close()
+
+
+def test_only_a_leader_with_a_pipeline_that_previews_takes_previews(tiny_pipe: Any) -> None:
+    class StillPipe(CountingPipe):
+        can_preview = False
+
+    cases = [(0, tiny_pipe, Layout(sp=2), 2, 2),  # the replica's leader
+             (1, tiny_pipe, Layout(sp=2), 2, 0),  # its other rank
+             (0, tiny_pipe, SOLO, 0, 0),  # previews off
+             (0, StillPipe(), SOLO, 2, 0)]  # a pipeline that offers none
+    for rank, pipe, layout, every, expected in cases:
+        loop = RankLoop(rank, pipe, PreviewWrite(), PLATFORM,  # type: ignore[arg-type]
+                        layout=layout, preview_every_steps=every)
+        try:
+            assert loop.preview_every_steps == expected
+        finally:
+            loop.close()

@@ -1,18 +1,28 @@
 """The ranks' writer: a store that refuses a job's files keeps nothing under the final names,
 raises an OutputStoreError (an OSError) that says where, and the next try puts the files it
-encoded before without encoding them again."""
+encoded before without encoding them again. A running job's preview replaces the last one and
+says which step it shows."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from storage import video
-from storage.outputs import LocalStore, OutputStoreError, thumbnail_key, video_key
+from storage.outputs import (
+    LocalStore,
+    OutputStoreError,
+    preview_key,
+    preview_step,
+    thumbnail_key,
+    video_key,
+)
 from storage.video import OutputWriter
 
 JOB = "abc123"
@@ -158,3 +168,35 @@ def test_a_put_that_fails_midway_leaves_the_old_object_and_no_temporary(
     with store.open(video_key(JOB)) as old:
         assert old.read() == b"the old video"
     assert [p.name for p in (tmp_path / "outputs" / "videos").iterdir()] == [f"{JOB}.mp4"]
+
+
+def test_a_preview_replaces_the_last_one_says_its_step_and_is_dropped_when_asked(
+        tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "outputs")
+    writer = OutputWriter(store)
+    frames = _frames()
+    writer.preview(frames[0], JOB, 2, 8)
+    writer.preview(frames[1], JOB, 4, 8)
+    with store.open(preview_key(JOB)) as f:
+        png = f.read()
+    assert preview_step(png) == (4, 8)
+    with Image.open(io.BytesIO(png)) as image:
+        assert np.array_equal(np.asarray(image.convert("RGB")), frames[1])
+    # Written in place of the last one: no second file, no temporary left.
+    assert [p.name for p in (tmp_path / "outputs" / "previews").iterdir()] == [f"{JOB}.png"]
+    writer.drop_preview(JOB)
+    writer.drop_preview(JOB)  # none left: not an error
+    assert not store.exists(preview_key(JOB))
+    assert preview_step(b"not a png") is None
+    assert preview_step(video.preview_png(frames[0], 1, 2)[:40]) is None  # cut short
+
+
+def test_a_refused_preview_raises_an_output_store_error(tmp_path: Path) -> None:
+    root = tmp_path / "outs" / "outputs"
+    root.mkdir(parents=True)
+    restore = _unwritable(root)
+    try:
+        with pytest.raises(OutputStoreError, match=f"could not store previews/{JOB}.png"):
+            OutputWriter(LocalStore(root)).preview(_frames()[0], JOB, 1, 4)
+    finally:
+        restore()
