@@ -28,6 +28,7 @@ from api.schemas import (
     JobCreate,
     metadata_bytes,
 )
+from common import netguard
 from common.settings import Settings
 from storage import batches
 from storage.submission import JobSpec
@@ -35,8 +36,10 @@ from storage.tables import Batch, Job, JobClass, JobState, User
 
 JSONL_TYPES = frozenset({"application/x-ndjson", "application/jsonl", "application/x-jsonlines",
                          "application/jsonlines"})
-# Options a JSONL submission takes beside its lines (query string, or form fields with a file).
-_JSONL_OPTIONS = ("name", "defaults", "metadata", "not_before", "deadline")
+# Options a JSONL submission takes beside its lines (query string, or form fields with a file);
+# webhook_events as a comma-separated list.
+_JSONL_OPTIONS = ("name", "defaults", "metadata", "not_before", "deadline", "webhook_url",
+                  "webhook_events")
 # A bad batch reports this many bad lines at most: enough to fix a file, bounded for a huge one.
 MAX_REPORTED_LINES = 20
 _WINDOW_FIELDS = ("not_before", "deadline")
@@ -48,7 +51,8 @@ OPENAPI_BODY = {
             "application/json": {"schema": BatchCreate.model_json_schema()},
             "application/x-ndjson": {"schema": {
                 "type": "string", "description": "one JobCreate object per line; options "
-                f"({', '.join(_JSONL_OPTIONS)}; defaults and metadata as JSON) in the query"}},
+                f"({', '.join(_JSONL_OPTIONS)}; defaults and metadata as JSON, webhook_events "
+                "comma-separated) in the query"}},
             "multipart/form-data": {"schema": {
                 "type": "object", "required": ["file"],
                 "properties": {"file": {"type": "string", "format": "binary"},
@@ -146,8 +150,12 @@ def _from_jsonl(raw: bytes, options: dict[str, str], max_jobs: int) -> Submissio
                 data[name] = bodies.loads(options[name])
             except ValueError:
                 problems.append(_problem(name, "must be a JSON object"))
-    if "name" in options:
-        data["name"] = options["name"]
+    for name in ("name", "webhook_url"):
+        if name in options:
+            data[name] = options[name]
+    if "webhook_events" in options:
+        data["webhook_events"] = [e.strip() for e in options["webhook_events"].split(",")
+                                  if e.strip()]
     window = {name: options[name] for name in _WINDOW_FIELDS if options.get(name)}
     if window:
         data["window"] = window
@@ -207,6 +215,11 @@ def specs_from_submission(sub: Submission, s: Settings, now: datetime) -> list[J
         raise _invalid([_too_many_jobs(len(body.jobs), s.max_queued_jobs_per_user)])
     if metadata_bytes(body.metadata) > s.max_metadata_bytes:
         raise _invalid([_problem("metadata", f"at most {s.max_metadata_bytes} bytes as JSON")])
+    # Literal addresses only, as for a job's; names are resolved and checked when it is sent.
+    if body.webhook_url is not None and not netguard.private_allowed(s):
+        reason = netguard.literal_refusal(str(body.webhook_url))
+        if reason is not None:
+            raise _invalid([_problem("webhook_url", reason)])
     window = ({name: getattr(body.window, name) for name in _WINDOW_FIELDS
                if getattr(body.window, name) is not None} if body.window else {})
     # Defaults and window once, as the part of a job they are; so their mistakes are named once
@@ -288,7 +301,11 @@ def submit(session: Session, redis: Redis, s: Settings, user: User, sub: Submiss
         created = batches.create_batch(
             session, user, specs, name=sub.body.name, metadata=dict(sub.body.metadata),
             not_before=window.not_before if window else None,
-            deadline=window.deadline if window else None, request_hash=digest,
+            deadline=window.deadline if window else None,
+            webhook_url=str(sub.body.webhook_url) if sub.body.webhook_url else None,
+            webhook_events=(sorted(set(sub.body.webhook_events))
+                            if sub.body.webhook_events is not None else None),
+            request_hash=digest,
             idempotency_key=idempotency_key, max_attempts=s.max_attempts,
             max_queued=s.max_queued_jobs_per_user, now=now,
         )
@@ -341,6 +358,7 @@ def batch_public(batch: Batch, summary: batches.Summary, now: datetime, *,
         eta_seconds=round(eta_seconds, 1) if eta_seconds is not None else None,
         created_at=batch.created_at, started_at=summary.started_at,
         finished_at=summary.finished_at, jobs_url=f"/v1/jobs?batch_id={batch.id}",
+        webhook_url=batch.webhook_url, webhook_events=batch.webhook_events,
     )
 
 

@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from storage.tables import MAX_PRIORITY, MAX_SEED, MIN_PRIORITY
-from storage.webhooks import WebhookEvent
+from storage.webhooks import BatchWebhookEvent, WebhookEvent
 
 HARD_MAX_TEXT = 100_000
 HARD_MAX_DIM = 16_384
@@ -139,6 +139,14 @@ class BatchCreate(BaseModel):
     jobs: list[dict[str, Any]] = Field(description="JobCreate bodies, one per job")
     window: BatchWindow | None = None
     metadata: Metadata = Field(default_factory=dict)
+    webhook_url: Annotated[HttpUrl, Field(
+        max_length=2048,
+        description="POSTed batch.completed, with the batch's report, once its last job has "
+                    "ended; signed and checked like a job's webhook_url (a job's own webhook "
+                    "goes in its line or the defaults).")] | None = None
+    webhook_events: Annotated[list[BatchWebhookEvent], Field(
+        max_length=1, description="batch.completed, the one batch event. Left out: "
+                                  "batch.completed; []: none")] | None = None
 
 
 class VideoCreate(BaseModel):
@@ -244,6 +252,9 @@ class BatchPublic(BaseModel):
     started_at: datetime | None = Field(description="when its first job started")
     finished_at: datetime | None = Field(description="when its last job ended")
     jobs_url: str
+    webhook_url: str | None = None
+    webhook_events: list[str] | None = Field(
+        default=None, description="the webhook events asked for; null: batch.completed")
 
 
 class BatchList(BaseModel):

@@ -3,12 +3,13 @@ output retention, with the beat schedule that runs the periodic ones.
 
 Tasks are thin adapters. Each takes ids, re-reads the rows, checks their state and is safe to run
 twice (``acks_late``: a task whose worker died is delivered again). The work itself lives in plain
-functions taking a `Context` (`deliver`, `sweep`, `reap_leases`, `reconcile`, `clean_up`), which
-the tests call directly against a real database and Redis.
+functions taking a `Context` (`deliver`, `deliver_batch`, `sweep`, `sweep_batches`,
+`reap_leases`, `reconcile`, `clean_up`), which the tests call directly against a real database and
+Redis.
 
 Nothing here is the only copy of a fact: the database says which jobs are finished and still owe a
-webhook (`storage.webhooks`), which leases lapsed, what is queued and what is old, so a lost task
-is made good by the next periodic run.
+webhook, which batches have ended and owe batch.completed (`storage.webhooks`), which leases
+lapsed, what is queued and what is old, so a lost task is made good by the next periodic run.
 
 Run it with ``kiln celery`` (worker with embedded beat), or ``kiln celery worker`` and
 ``kiln celery beat`` as separate processes (production: exactly one beat).
@@ -20,7 +21,8 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
@@ -31,6 +33,8 @@ from celery import Celery, Task
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
+from api import batches as batch_views
+from api.schemas import BatchReport
 from common import netguard
 from common.settings import Settings, get_settings
 from kiln import signing
@@ -39,7 +43,7 @@ from scheduler.attempts import settle
 from storage import lifecycle, retention, webhooks
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, make_store
-from storage.tables import Job, JobState, utcnow
+from storage.tables import Batch, Job, JobState, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,9 @@ USER_AGENT = "kiln-webhooks/0.1"
 # within this, whose task is probably still on its way.
 SWEEP_GRACE_SECONDS = 30.0
 _CLEAN_UP_CHUNK = 200
+# batch.completed lists this many of the failed, expired and dead jobs (``counts`` has them all,
+# the report route every job): a receiver's body stays small for a batch of thousands.
+MAX_EVENT_PROBLEMS = 100
 
 app = Celery("kiln")
 
@@ -227,6 +234,21 @@ def progress_event(job_id: str, attempt: int | None, step: int, total: int,
             encode(event("job.progress", at, data)))
 
 
+def batch_event_id(batch_id: str) -> str:
+    """The ``webhook-id`` of a batch's batch.completed: the same on every attempt."""
+    return f"evt_{batch_id}_completed"
+
+
+def batch_payload(batch: Batch, report: BatchReport) -> dict[str, Any]:
+    """batch.completed, at the batch's last finish: its report (counts, throughput, render time)
+    with the first `MAX_EVENT_PROBLEMS` problems and without the per-job list, plus the batch's
+    metadata and where the whole report is."""
+    data = report.model_dump(mode="json", exclude={"object", "jobs"})
+    data["problems"] = data["problems"][:MAX_EVENT_PROBLEMS]
+    data.update(metadata=batch.meta, report_url=f"/v1/batches/{batch.id}/report")
+    return event(webhooks.BATCH_COMPLETED, report.finished_at or batch.created_at, data)
+
+
 def backoff_seconds(settings: Settings, attempt: int) -> float:
     """The wait after failed attempt number ``attempt`` (1-based): doubling, capped."""
     return min(settings.webhook_backoff_seconds * 2 ** (attempt - 1),
@@ -241,6 +263,7 @@ class Delivery:
     attempt: int = 0
     status: int | None = None  # HTTP status of this attempt
     retry_in: float | None = None  # seconds until the next attempt, when pending
+    error: str | None = None  # why this attempt did not deliver
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,21 +313,74 @@ def _post(s: Settings, url: str, *, msg_id: str, kind: str, body: bytes, attempt
     return _Posted(status=status, error=error, refused=None)
 
 
-def _gives_up(s: Settings, attempt: int, posted: _Posted) -> bool:
-    # 410 Gone: the receiver says this endpoint will never take it; stop asking. A refused
-    # destination stays refused.
-    return (attempt >= s.webhook_max_attempts or posted.status == 410
-            or posted.refused is not None)
+def _retry_in(s: Settings, attempt: int, posted: _Posted) -> float | None:
+    """Seconds until the next attempt after ``posted``; None when it delivered or when this was
+    the last try: out of attempts, 410 Gone (the receiver says this endpoint will never take
+    it), or a refused destination (it stays refused)."""
+    if posted.error is None or attempt >= s.webhook_max_attempts or posted.status == 410 \
+            or posted.refused is not None:
+        return None
+    return backoff_seconds(s, attempt)
+
+
+def _hold_seconds(s: Settings) -> float:
+    # Long enough for the POST to finish or time out; after it, a died attempt is due again.
+    return 3 * s.webhook_timeout_seconds + 30
+
+
+def _outcome(posted: _Posted, retry_in: float | None) -> str:
+    """The delivery log's word for one attempt."""
+    if posted.error is None:
+        return "delivered"
+    return "failed" if retry_in is None else "retrying"
+
+
+def _log(session: Session, **attempt: Any) -> None:
+    # The log is history, not state: failing to write it must not fail a delivery.
+    try:
+        webhooks.log_attempt(session, **attempt)
+    except Exception:
+        session.rollback()
+        log.warning("could not log the webhook attempt %s", attempt.get("msg_id"), exc_info=True)
+
+
+# ``record(posted, retry_at, at)``: settles an outbox attempt; the new state, or None when a
+# later attempt has taken over.
+Record = Callable[[_Posted, datetime | None, datetime], str | None]
+
+
+def _attempt(ctx: Context, session: Session, *, url: str, msg_id: str, kind: str, body: bytes,
+             number: int, now: datetime, record: Record, job_id: str | None = None,
+             batch_id: str | None = None) -> Delivery:
+    """Attempt ``number`` at an outbox event (a job's final one, a batch's): the POST, then the
+    outbox row settled by ``record`` and the attempt in the delivery log."""
+    owner = job_id or batch_id or ""
+    started = time.monotonic()
+    posted = _post(ctx.settings, url, msg_id=msg_id, kind=kind, body=body, attempt=number,
+                   delivery_id=owner)
+    # The wait before a retry counts from the end of this attempt.
+    at = now + timedelta(seconds=time.monotonic() - started)
+    retry_in = _retry_in(ctx.settings, number, posted)
+    state = record(posted, None if retry_in is None else at + timedelta(seconds=retry_in), at)
+    _log(session, job_id=job_id, batch_id=batch_id, event=kind, msg_id=msg_id, attempt=number,
+         status=posted.status, error=posted.error, outcome=_outcome(posted, retry_in), at=at)
+    if posted.error is None:
+        return Delivery(state="delivered", attempt=number, status=posted.status)
+    log.warning("webhook %s for %s, attempt %d: %s%s", kind, owner, number, posted.error,
+                "; giving up" if retry_in is None else f"; retrying in {retry_in:.0f} s")
+    if state is None:  # a later attempt took over while this one overran its hold
+        return Delivery(state="skipped", attempt=number, status=posted.status,
+                        error=posted.error)
+    return Delivery(state=state, attempt=number, status=posted.status, retry_in=retry_in,
+                    error=posted.error)
 
 
 def deliver(ctx: Context, job_id: str, *, now: datetime | None = None) -> Delivery:
     """One attempt at a finished job's webhook, if one is due; records the outcome."""
-    s = ctx.settings
     now = now or utcnow()
-    # Long enough for the POST to finish or time out; after it, a died attempt is due again.
-    hold = 3 * s.webhook_timeout_seconds + 30
     with ctx.sessions() as session:
-        attempt = webhooks.begin_attempt(session, job_id, hold_seconds=hold, now=now)
+        attempt = webhooks.begin_attempt(session, job_id, hold_seconds=_hold_seconds(ctx.settings),
+                                         now=now)
         if attempt is None:
             return Delivery(state="skipped")
         job = attempt.job
@@ -313,43 +389,61 @@ def deliver(ctx: Context, job_id: str, *, now: datetime | None = None) -> Delive
         if not webhooks.wants(job.webhook_events, kind):
             webhooks.settle_unwanted(session, job_id, attempt.number, now=now)
             return Delivery(state=webhooks.UNWANTED, attempt=attempt.number)
-        started = time.monotonic()
-        posted = _post(s, job.webhook_url, msg_id=final_event_id(job), kind=kind,
-                       body=encode(payload(job)), attempt=attempt.number, delivery_id=job.id)
-        status = posted.status
-        # The wait before a retry counts from the end of this attempt.
-        finished = now + timedelta(seconds=time.monotonic() - started)
-        if posted.error is None:
-            webhooks.record_result(session, job_id, attempt.number, delivered=True,
-                                   status=status, now=finished)
-            return Delivery(state="delivered", attempt=attempt.number, status=status)
-        give_up = _gives_up(s, attempt.number, posted)
-        retry_in = None if give_up else backoff_seconds(s, attempt.number)
-        state = webhooks.record_result(
-            session, job_id, attempt.number, delivered=False, status=status, error=posted.error,
-            retry_at=None if retry_in is None else finished + timedelta(seconds=retry_in),
-            now=finished)
-        log.warning("webhook for job %s, attempt %d: %s%s", job_id, attempt.number, posted.error,
-                    "; giving up" if give_up else f"; retrying in {retry_in:.0f} s")
-        if state is None:  # a later attempt took over while this one overran its hold
-            return Delivery(state="skipped", attempt=attempt.number, status=status)
-        return Delivery(state=state, attempt=attempt.number, status=status, retry_in=retry_in)
+
+        def record(posted: _Posted, retry_at: datetime | None, at: datetime) -> str | None:
+            return webhooks.record_result(
+                session, job_id, attempt.number, delivered=posted.error is None,
+                status=posted.status, error=posted.error, retry_at=retry_at, now=at)
+
+        return _attempt(ctx, session, url=job.webhook_url, msg_id=final_event_id(job),
+                        kind=kind, body=encode(payload(job)), number=attempt.number, now=now,
+                        record=record, job_id=job_id)
+
+
+def deliver_batch(ctx: Context, batch_id: str, *, now: datetime | None = None) -> Delivery:
+    """One attempt at a batch's batch.completed, if it is owed and due. Whether the batch has
+    just completed is decided first, by `storage.webhooks.complete_batch`'s guarded UPDATE: of
+    the tasks enqueued by jobs that ended at the same moment, one makes the event owed and one
+    takes its attempt; the others skip."""
+    now = now or utcnow()
+    with ctx.sessions() as session:
+        webhooks.complete_batch(session, batch_id, now=now)
+        attempt = webhooks.begin_batch_attempt(
+            session, batch_id, hold_seconds=_hold_seconds(ctx.settings), now=now)
+        if attempt is None:
+            return Delivery(state="skipped")
+        batch = attempt.batch
+        assert batch.webhook_url is not None
+        if not webhooks.wants(batch.webhook_events, webhooks.BATCH_COMPLETED):
+            webhooks.settle_batch_attempt(session, batch_id, attempt.number, webhooks.UNWANTED)
+            return Delivery(state=webhooks.UNWANTED, attempt=attempt.number)
+        body = encode(batch_payload(batch, batch_views.report(session, batch)))
+        session.commit()  # no transaction stays open during the POST
+
+        def record(posted: _Posted, retry_at: datetime | None, at: datetime) -> str | None:
+            state = webhooks.DELIVERED if posted.error is None else (
+                webhooks.FAILED if retry_at is None else webhooks.PENDING)
+            return webhooks.settle_batch_attempt(session, batch_id, attempt.number, state,
+                                                 retry_at=retry_at)
+
+        return _attempt(ctx, session, url=batch.webhook_url, msg_id=batch_event_id(batch_id),
+                        kind=webhooks.BATCH_COMPLETED, body=body, number=attempt.number,
+                        now=now, record=record, batch_id=batch_id)
 
 
 def deliver_live(settings: Settings, url: str, msg_id: str, kind: str, body: bytes, *,
                  attempt: int = 1) -> Delivery:
-    """Attempt number ``attempt`` at a job.started or job.progress event. No row records it: the
-    task carries the attempt count and the wait (``retry_in``) to the next one."""
+    """Attempt number ``attempt`` at a job.started or job.progress event. No outbox row holds
+    it: the task carries the attempt count and the wait (``retry_in``) to the next one."""
     posted = _post(settings, url, msg_id=msg_id, kind=kind, body=body, attempt=attempt,
                    delivery_id=msg_id)
     if posted.error is None:
         return Delivery(state="delivered", attempt=attempt, status=posted.status)
-    give_up = _gives_up(settings, attempt, posted)
-    retry_in = None if give_up else backoff_seconds(settings, attempt)
+    retry_in = _retry_in(settings, attempt, posted)
     log.warning("webhook event %s, attempt %d: %s%s", msg_id, attempt, posted.error,
-                "; giving up" if give_up else f"; retrying in {retry_in:.0f} s")
-    return Delivery(state="failed" if give_up else "pending", attempt=attempt,
-                    status=posted.status, retry_in=retry_in)
+                "; giving up" if retry_in is None else f"; retrying in {retry_in:.0f} s")
+    return Delivery(state="failed" if retry_in is None else "pending", attempt=attempt,
+                    status=posted.status, retry_in=retry_in, error=posted.error)
 
 
 def sweep(ctx: Context, *, now: datetime | None = None, limit: int = 500) -> list[str]:
@@ -361,6 +455,15 @@ def sweep(ctx: Context, *, now: datetime | None = None, limit: int = 500) -> lis
             now=now - timedelta(seconds=SWEEP_GRACE_SECONDS), limit=limit)
 
 
+def sweep_batches(ctx: Context, *, now: datetime | None = None, limit: int = 500) -> list[str]:
+    """Ids of batches whose batch.completed is owed (or whose last job ended without the
+    decision made) and due, but whose task seems lost."""
+    now = now or utcnow()
+    with ctx.sessions() as session:
+        return webhooks.owed_batches(session, now=now - timedelta(seconds=SWEEP_GRACE_SECONDS),
+                                     limit=limit)
+
+
 @dataclass(frozen=True, slots=True)
 class Reaping:
     requeued: list[str]
@@ -368,6 +471,8 @@ class Reaping:
     cancelled: list[str]
     expired: list[str]
     notify: list[str]  # newly finished jobs that have a webhook_url
+    # batches with a webhook whose last job was among the finished ones
+    batches: list[str] = field(default_factory=list)
 
 
 def reap_leases(ctx: Context, *, now: datetime | None = None) -> Reaping:
@@ -378,9 +483,11 @@ def reap_leases(ctx: Context, *, now: datetime | None = None) -> Reaping:
         out = lifecycle.reap(session, now=now)
         settle(session, ctx.redis, ctx.settings.redis_prefix, requeued=out.requeued,
                finished=[])
-        notify = webhooks.has_webhook(session, out.dead + out.cancelled + out.expired)
+        ended = out.dead + out.cancelled + out.expired
+        notify = webhooks.has_webhook(session, ended)
+        done = webhooks.completed_batches(session, ended)
     return Reaping(requeued=[j.id for j in out.requeued], dead=out.dead,
-                   cancelled=out.cancelled, expired=out.expired, notify=notify)
+                   cancelled=out.cancelled, expired=out.expired, notify=notify, batches=done)
 
 
 def reconcile(ctx: Context) -> queue_index.Reconciled:
@@ -424,10 +531,23 @@ def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
     return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
 
 
+@app.task(name="kiln.deliver_batch_webhook", bind=True)
+def deliver_batch_webhook(self: Task, batch_id: str) -> dict[str, Any]:
+    outcome = deliver_batch(_context(), batch_id)
+    if outcome.retry_in is not None:
+        raise self.retry(countdown=outcome.retry_in, max_retries=None)
+    return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
+
+
 @app.task(name="kiln.deliver_event", bind=True, ignore_result=True)
 def deliver_event(self: Task, url: str, msg_id: str, kind: str, body: str) -> str:
-    outcome = deliver_live(_context().settings, url, msg_id, kind, body.encode(),
+    ctx = _context()
+    outcome = deliver_live(ctx.settings, url, msg_id, kind, body.encode(),
                            attempt=self.request.retries + 1)
+    with ctx.sessions() as session:
+        _log(session, job_id=json.loads(body)["data"]["id"], event=kind, msg_id=msg_id,
+             attempt=outcome.attempt, status=outcome.status, error=outcome.error,
+             outcome="retrying" if outcome.state == "pending" else outcome.state)
     if outcome.retry_in is not None:
         raise self.retry(countdown=outcome.retry_in, max_retries=None)
     return outcome.state
@@ -438,7 +558,10 @@ def sweep_webhooks() -> int:
     owed = sweep(_context())
     for job_id in owed:
         deliver_webhook.delay(job_id)
-    return len(owed)
+    batches = sweep_batches(_context())
+    for batch_id in batches:
+        deliver_batch_webhook.delay(batch_id)
+    return len(owed) + len(batches)
 
 
 @app.task(name="kiln.reap_leases", ignore_result=True)
@@ -446,6 +569,8 @@ def reap_leases_task() -> dict[str, int]:
     out = reap_leases(_context())
     for job_id in out.notify:
         deliver_webhook.delay(job_id)
+    for batch_id in out.batches:
+        deliver_batch_webhook.delay(batch_id)
     return {"requeued": len(out.requeued), "dead": len(out.dead),
             "cancelled": len(out.cancelled), "expired": len(out.expired)}
 
@@ -462,18 +587,26 @@ def clean_up_outputs() -> int:
 
 
 def enqueue_job_finished(session: Session, job_id: str) -> bool:
-    """Asks for the webhook of a job that just reached a final state (call after the commit).
+    """Asks for the webhook of a job that just reached a final state (call after the commit), and
+    for its batch's batch.completed when it was the batch's last job.
 
     Best effort: the sweeper delivers anyway, so no error here (Redis down, no broker configured)
     may disturb the caller. True if a task was enqueued.
     """
     try:
-        if app.conf.broker_url is None or not webhooks.has_webhook(session, [job_id]):
+        if app.conf.broker_url is None:
+            return False
+        jobs = webhooks.has_webhook(session, [job_id])
+        batches = webhooks.completed_batches(session, [job_id])
+        if not jobs and not batches:
             return False
         with app.connection_for_write() as conn:
             # One try, no waiting between retries: a worker group must not stall on Redis.
             conn.ensure_connection(max_retries=0, interval_start=0, timeout=5)
-            deliver_webhook.apply_async((job_id,), connection=conn, retry=False)
+            for one in jobs:
+                deliver_webhook.apply_async((one,), connection=conn, retry=False)
+            for batch_id in batches:
+                deliver_batch_webhook.apply_async((batch_id,), connection=conn, retry=False)
         return True
     except Exception:  # any failure: broker, network, database; the sweeper is the safety net
         log.warning("could not enqueue the webhook of job %s; the sweeper will send it", job_id,

@@ -41,6 +41,8 @@ def create_batch(
     metadata: dict[str, Any] | None = None,
     not_before: datetime | None = None,
     deadline: datetime | None = None,
+    webhook_url: str | None = None,
+    webhook_events: list[str] | None = None,
     request_hash: str,
     idempotency_key: str | None = None,
     max_attempts: int = 3,
@@ -63,6 +65,7 @@ def create_batch(
             check_queue_room(session, owner.id, max_queued, adding=len(specs))
         batch = Batch(id=new_job_id(), owner_id=owner.id, name=name, created_at=now,
                       meta=dict(metadata or {}), not_before=not_before, deadline=deadline,
+                      webhook_url=webhook_url, webhook_events=webhook_events,
                       idempotency_key=idempotency_key, request_hash=request_hash)
         session.add(batch)
         session.flush()  # the jobs' foreign key needs the batch row first

@@ -153,6 +153,15 @@ class Batch(Base):
     deadline: Mapped[datetime | None]
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64))
+    # batch.completed, POSTed once its last job has ended (`storage.webhooks`). The batch row is
+    # that event's outbox: ``webhook_state`` goes from NULL to "pending" in one guarded UPDATE
+    # when its jobs are all final, then to delivered | failed | unwanted.
+    webhook_url: Mapped[str | None] = mapped_column(String(2048))
+    webhook_events: Mapped[list[str] | None] = mapped_column(JSON)  # None: batch.completed
+    webhook_state: Mapped[str | None] = mapped_column(String(16))
+    webhook_attempts: Mapped[int] = mapped_column(default=0, server_default="0")
+    # As `WebhookDelivery.next_attempt_at`: the next attempt's time, or a running one's hold.
+    webhook_next_attempt_at: Mapped[datetime | None]
 
 
 class Job(Base):
@@ -290,6 +299,29 @@ class WebhookDelivery(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
+
+
+class WebhookAttempt(Base):
+    """The delivery log: one row per attempt at a webhook event, a job's or a batch's, with how
+    it went. Written after the attempt; the outbox state lives in `WebhookDelivery` and on
+    `Batch`, so a lost row here loses a line of history, never a delivery."""
+
+    __tablename__ = "webhook_attempts"
+    __table_args__ = (
+        Index("ix_webhook_attempts_job_id_id", "job_id", "id"),
+        Index("ix_webhook_attempts_batch_id_id", "batch_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    event: Mapped[str] = mapped_column(String(32))  # job.succeeded, batch.completed, ...
+    msg_id: Mapped[str] = mapped_column(String(100))  # its webhook-id
+    attempt: Mapped[int]  # 1 for the first
+    at: Mapped[datetime] = mapped_column(default=utcnow)  # when it ended
+    status: Mapped[int | None]  # the receiver's HTTP status; None: no answer (or not sent)
+    error: Mapped[str | None] = mapped_column(Text)
+    outcome: Mapped[str] = mapped_column(String(16))  # delivered | retrying | failed
 
 
 # The webhook sweeper (recently finished jobs) and retention (long-finished jobs) both range over

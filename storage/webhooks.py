@@ -9,6 +9,10 @@ An attempt is taken like a lease: `begin_attempt` is one conditional UPDATE that
 finish and the sweeper's) never post at once, and an attempt whose process died becomes due again
 once its hold runs out. Receivers must still tolerate a repeat (a process may die after the POST
 and before `record_result`): the ``Kiln-Delivery`` header carries the job id for that.
+
+A batch's one event, batch.completed, has its outbox on the batch row (`complete_batch` and
+below), and every attempt at any event goes into the delivery log (`log_attempt`,
+`delivery_log`), which the job page shows.
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
-from sqlalchemy import and_, exists, insert, or_, select, update
+from sqlalchemy import and_, exists, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from storage.tables import TERMINAL_STATES, Job, WebhookDelivery, utcnow
+from storage.tables import TERMINAL_STATES, Batch, Job, WebhookAttempt, WebhookDelivery, utcnow
 
 # The events a job's webhook may ask for (``Job.webhook_events``). The final ones are
 # ``job.<final state>`` and go through the outbox below; job.started and job.progress are sent
@@ -34,9 +38,17 @@ FINAL_EVENTS = frozenset(f"job.{s.value}" for s in TERMINAL_STATES)
 LIVE_EVENTS = frozenset({"job.started", "job.progress"})
 
 
+# A batch's webhook has one event, sent once its last job has ended.
+BatchWebhookEvent = Literal["batch.completed"]
+BATCH_COMPLETED = "batch.completed"
+
+
 def wants(events: Iterable[str] | None, event: str) -> bool:
-    """Whether a job that asked for ``events`` (None: the final ones) gets ``event``."""
-    return event in FINAL_EVENTS if events is None else event in events
+    """Whether a job or batch that asked for ``events`` (None: a job's final ones, a batch's
+    batch.completed) gets ``event``."""
+    if events is None:
+        return event in FINAL_EVENTS or event == BATCH_COMPLETED
+    return event in events
 
 
 PENDING = "pending"
@@ -159,3 +171,143 @@ def has_webhook(session: Session, job_ids: list[str]) -> list[str]:
         return []
     return list(session.scalars(select(Job.id).where(
         and_(Job.id.in_(job_ids), Job.state.in_(_TERMINAL), Job.webhook_url.is_not(None)))))
+
+
+# ---- batch.completed: the batch row is the outbox -------------------------------------------
+#
+# Whether a batch is complete is decided once, by a guarded UPDATE that moves ``webhook_state``
+# from NULL to pending only while no job of the batch is unfinished. It runs after the jobs'
+# own commits (never in the transaction that ends a job: two jobs ending at once would each see
+# the other still running), so of the callers that race for it, PostgreSQL's row lock lets one
+# through and re-checks the others' condition against its write. Attempts are then leased on the
+# batch row exactly as `begin_attempt` leases a job's.
+
+def _all_jobs_ended(ended_by: datetime | None = None) -> Any:
+    """No job of the batch is unfinished (or, with ``ended_by``, ended after it)."""
+    left = Job.state.not_in(_TERMINAL)
+    if ended_by is not None:
+        left = or_(left, Job.finished_at > ended_by)
+    return ~exists().where(Job.batch_id == Batch.id, left)
+
+
+def complete_batch(session: Session, batch_id: str, *, now: datetime | None = None) -> bool:
+    """Makes the batch's batch.completed owed if it has a webhook and every job of it has ended;
+    commits. True for the one call that did it."""
+    now = now or utcnow()
+    done = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.webhook_url.is_not(None),
+               Batch.webhook_state.is_(None), _all_jobs_ended())
+        .values(webhook_state=PENDING, webhook_next_attempt_at=now)
+        .returning(Batch.id)
+    ).one_or_none()
+    session.commit()
+    return done is not None
+
+
+def completed_batches(session: Session, job_ids: list[str]) -> list[str]:
+    """The batches of ``job_ids`` whose batch.completed is due to be decided: a webhook, not yet
+    owed, every job ended (what to enqueue after those jobs ended)."""
+    if not job_ids:
+        return []
+    of_jobs = select(Job.batch_id).where(Job.id.in_(job_ids), Job.batch_id.is_not(None))
+    return list(session.scalars(select(Batch.id).where(
+        Batch.id.in_(of_jobs), Batch.webhook_url.is_not(None), Batch.webhook_state.is_(None),
+        _all_jobs_ended())))
+
+
+@dataclass(frozen=True, slots=True)
+class BatchAttempt:
+    batch: Batch  # as read after the attempt was taken
+    number: int  # 1 for the first attempt
+
+
+def begin_batch_attempt(session: Session, batch_id: str, *, hold_seconds: float,
+                        now: datetime | None = None) -> BatchAttempt | None:
+    """Takes the next attempt at the batch's batch.completed and commits; None when none is due
+    now (not owed, settled, due later, or running elsewhere)."""
+    now = now or utcnow()
+    row = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.webhook_state == PENDING,
+               Batch.webhook_next_attempt_at <= now)
+        .values(webhook_attempts=Batch.webhook_attempts + 1,
+                webhook_next_attempt_at=now + timedelta(seconds=hold_seconds))
+        .returning(Batch.webhook_attempts)
+    ).one_or_none()
+    if row is None:
+        session.rollback()
+        return None
+    session.commit()
+    batch = session.scalars(select(Batch).where(Batch.id == batch_id)
+                            .execution_options(populate_existing=True)).one()
+    return BatchAttempt(batch=batch, number=int(row[0]))
+
+
+def settle_batch_attempt(session: Session, batch_id: str, number: int, state: str, *,
+                         retry_at: datetime | None = None) -> str | None:
+    """Records how attempt ``number`` went and commits: `DELIVERED`, `FAILED` or `UNWANTED`, or
+    `PENDING` again from ``retry_at``. None (nothing written) when a later attempt took over."""
+    values: dict[str, object] = {"webhook_state": state}
+    if retry_at is not None:
+        values["webhook_next_attempt_at"] = retry_at
+    result = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.webhook_state == PENDING,
+               Batch.webhook_attempts == number)
+        .values(**values)
+        .returning(Batch.webhook_state)
+    ).one_or_none()
+    if result is None:
+        session.rollback()
+        return None
+    session.commit()
+    return str(result[0])
+
+
+def owed_batches(session: Session, *, now: datetime | None = None,
+                 limit: int = 500) -> list[str]:
+    """Ids of batches whose batch.completed is owed and due at ``now``: every job ended by
+    ``now`` but the decision never made (its task was lost), or pending with its retry (or a
+    died attempt's hold) due."""
+    now = now or utcnow()
+    ids = list(session.scalars(
+        select(Batch.id)
+        .where(Batch.webhook_url.is_not(None),
+               or_(and_(Batch.webhook_state.is_(None), _all_jobs_ended(ended_by=now)),
+                   and_(Batch.webhook_state == PENDING, Batch.webhook_next_attempt_at <= now)))
+        .order_by(Batch.created_at)
+        .limit(limit)))
+    session.rollback()  # end the read transaction
+    return ids
+
+
+# ---- the delivery log ---------------------------------------------------------------------------
+
+def log_attempt(session: Session, *, event: str, msg_id: str, attempt: int, outcome: str,
+                status: int | None = None, error: str | None = None, job_id: str | None = None,
+                batch_id: str | None = None, at: datetime | None = None) -> None:
+    """Adds one attempt to the delivery log and commits."""
+    session.execute(insert(WebhookAttempt).values(
+        job_id=job_id, batch_id=batch_id, event=event, msg_id=msg_id[:100], attempt=attempt,
+        at=at or utcnow(), status=status, error=error, outcome=outcome))
+    session.commit()
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryLog:
+    final: WebhookDelivery | None  # the outbox record of the job's final event, if it has one
+    attempts: list[WebhookAttempt]  # the newest first
+    num_attempts: int  # all of them, also those left out of ``attempts``
+
+
+def delivery_log(session: Session, job_id: str, *, limit: int = 50) -> DeliveryLog:
+    """A job's webhook attempts, the newest ``limit`` of them, and its final event's record."""
+    attempts = list(session.scalars(select(WebhookAttempt).where(WebhookAttempt.job_id == job_id)
+                                    .order_by(WebhookAttempt.id.desc()).limit(limit)))
+    total = len(attempts)
+    if total == limit:
+        total = int(session.scalar(select(func.count()).select_from(WebhookAttempt)
+                                   .where(WebhookAttempt.job_id == job_id)) or 0)
+    return DeliveryLog(final=session.get(WebhookDelivery, job_id), attempts=attempts,
+                       num_attempts=total)

@@ -321,3 +321,25 @@ def test_a_file_of_many_bad_lines_reports_the_first_twenty_and_says_it_stopped(a
     assert [e.get("line") for e in errors[:-1]] == list(range(1, 21))
     assert errors[-1] == {"field": "jobs", "message": "stopped checking after 20 bad lines",
                           "type": "value_error"}
+
+
+def test_a_batch_takes_its_own_webhook_and_refuses_an_unknown_event_naming_the_field(api) -> None:  # noqa: ANN001
+    hook = "https://hooks.example.com/kiln"
+    made = _post(api, {"defaults": DEFAULTS, "jobs": [{"prompt": "p"}], "webhook_url": hook,
+                       "webhook_events": ["batch.completed"]})
+    assert made.status_code == 201, made.text
+    assert (made.json()["webhook_url"], made.json()["webhook_events"]) == (
+        hook, ["batch.completed"])
+    bad = _post(api, {"defaults": DEFAULTS, "jobs": [{"prompt": "p"}], "webhook_url": hook,
+                      "webhook_events": ["job.succeeded"]})
+    assert bad.status_code == 422
+    assert [e["field"] for e in bad.json()["errors"]] == ["webhook_events.0"]
+    lines = api.client.post(
+        f"/v1/batches?webhook_url={hook}&webhook_events=batch.completed", content=_jsonl(
+            {"prompt": "p", **DEFAULTS}), headers={**api.auth("alice"),
+                                                  "Content-Type": "application/x-ndjson"})
+    assert lines.status_code == 201, lines.text
+    with api.session() as s:
+        row = s.get(Batch, lines.json()["id"])
+        assert row is not None and (row.webhook_url, row.webhook_events) == (
+            hook, ["batch.completed"])
