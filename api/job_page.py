@@ -19,6 +19,7 @@ from typing import Any
 
 from common.families import family_of
 from storage.tables import TERMINAL_STATES, Job, JobEvent, JobState
+from storage.webhooks import DeliveryLog, wants
 
 _FRAME = Path(__file__).resolve().parent / "job_page.html"
 
@@ -178,8 +179,59 @@ def _preview(job: Job) -> str:
             f'{_e(job.progress_step)} of {_e(total)}</figcaption></figure></div></section>')
 
 
+# The delivery log's outcomes and outbox states, as the chip colours of job states.
+_DELIVERY_CHIPS = {"delivered": "succeeded", "retrying": "queued", "pending": "queued",
+                   "failed": "failed", "unwanted": "cancelled"}
+
+
+def _final_delivery(job: Job, log: DeliveryLog) -> str:
+    """Where the job's final event stands, from its outbox record."""
+    if JobState(job.state) not in TERMINAL_STATES:
+        return "the final event is sent when the job ends"
+    kind = f"job.{job.state}"
+    row = log.final
+    if row is None:
+        return (f"{kind} is not asked for: nothing is sent" if not wants(job.webhook_events, kind)
+                else f"{kind} is owed; its first attempt is on its way")
+    chip = f'<span class="chip {_DELIVERY_CHIPS.get(row.state, "")}">{_e(row.state)}</span>'
+    if row.state == "delivered":
+        return f"{kind} {chip} at {_time(row.finished_at)} (attempt {row.attempts})"
+    if row.state == "failed":
+        return f"{kind} {chip}: gave up after {row.attempts} attempts ({_e(row.last_error)})"
+    if row.state == "unwanted":
+        return f"{kind} {chip}: not asked for, nothing was sent"
+    return (f"{kind} {chip} after {row.attempts} attempts; the next not before "
+            f"{_time(row.next_attempt_at)}")
+
+
+def _deliveries(job: Job, log: DeliveryLog | None) -> str:
+    """The "Webhook deliveries" section: the final event's state and every attempt logged."""
+    if not job.webhook_url or log is None:
+        return ""
+    asked = ", ".join(job.webhook_events) if job.webhook_events is not None else \
+        "the final events"
+    rows = []
+    for a in log.attempts:
+        result = f"HTTP {_e(a.status)}" if a.status is not None else ""
+        if a.error and a.outcome != "delivered":
+            result += f'{" · " if result else ""}<span class="dim">{_e(a.error)}</span>'
+        rows.append(f'<tr><td class="nowrap">{_time(a.at)}</td><td class="mono">{_e(a.event)}'
+                    f'</td><td>{_e(a.attempt)}</td><td>{result}</td><td><span class="chip '
+                    f'{_DELIVERY_CHIPS.get(a.outcome, "")}">{_e(a.outcome)}</span></td></tr>')
+    table = '<p class="empty">no attempts yet</p>'
+    if rows:
+        table = ("<div><table><tr><th>when</th><th>event</th><th>attempt</th><th>answer</th>"
+                 f'<th></th></tr>{"".join(rows)}</table></div>')
+        if log.num_attempts > len(rows):
+            table += (f'<p class="empty">the newest {len(rows)} of {log.num_attempts} '
+                      "attempts</p>")
+    return (f'<section id="deliveries"><h2>Webhook deliveries<span class="aside mono">'
+            f'{_e(job.webhook_url)}</span></h2><p class="empty">asked for: {_e(asked)} · '
+            f"{_final_delivery(job, log)}</p>{table}</section>")
+
+
 def render_main(job: Job, events: Sequence[JobEvent], group_names: dict[str, str], *,
-                owner: str | None = None) -> str:
+                owner: str | None = None, deliveries: DeliveryLog | None = None) -> str:
     """The ``<main>`` of the page for ``job``."""
     state = job.state
     total = job.progress_total or job.num_inference_steps
@@ -209,6 +261,7 @@ def render_main(job: Job, events: Sequence[JobEvent], group_names: dict[str, str
   {error}
   {_media(job)}
   <section><h2>Timeline</h2>{_timeline(job, events, group_names)}</section>
+  {_deliveries(job, deliveries)}
   <section><h2>Parameters</h2>{_parameters(job, owner)}</section>
 </main>"""
 

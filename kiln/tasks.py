@@ -446,6 +446,17 @@ def deliver_live(settings: Settings, url: str, msg_id: str, kind: str, body: byt
                     status=posted.status, retry_in=retry_in, error=posted.error)
 
 
+def deliver_logged(ctx: Context, url: str, msg_id: str, kind: str, body: bytes, *,
+                   attempt: int = 1) -> Delivery:
+    """`deliver_live`, with the attempt in the delivery log under the job the event is about."""
+    outcome = deliver_live(ctx.settings, url, msg_id, kind, body, attempt=attempt)
+    with ctx.sessions() as session:
+        _log(session, job_id=json.loads(body)["data"]["id"], event=kind, msg_id=msg_id,
+             attempt=attempt, status=outcome.status, error=outcome.error,
+             outcome="retrying" if outcome.state == "pending" else outcome.state)
+    return outcome
+
+
 def sweep(ctx: Context, *, now: datetime | None = None, limit: int = 500) -> list[str]:
     """Ids of finished jobs whose webhook is owed and due but whose task seems lost."""
     now = now or utcnow()
@@ -541,13 +552,8 @@ def deliver_batch_webhook(self: Task, batch_id: str) -> dict[str, Any]:
 
 @app.task(name="kiln.deliver_event", bind=True, ignore_result=True)
 def deliver_event(self: Task, url: str, msg_id: str, kind: str, body: str) -> str:
-    ctx = _context()
-    outcome = deliver_live(ctx.settings, url, msg_id, kind, body.encode(),
-                           attempt=self.request.retries + 1)
-    with ctx.sessions() as session:
-        _log(session, job_id=json.loads(body)["data"]["id"], event=kind, msg_id=msg_id,
-             attempt=outcome.attempt, status=outcome.status, error=outcome.error,
-             outcome="retrying" if outcome.state == "pending" else outcome.state)
+    outcome = deliver_logged(_context(), url, msg_id, kind, body.encode(),
+                             attempt=self.request.retries + 1)
     if outcome.retry_in is not None:
         raise self.retry(countdown=outcome.retry_in, max_retries=None)
     return outcome.state

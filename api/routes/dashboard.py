@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from api import batch_page, job_page
 from api.deps import CurrentUser, SessionDep, get_current_user
 from api.routes.jobs import JobId, visible_job
-from storage import queries, stats, workers
+from storage import queries, stats, webhooks, workers
 from storage.tables import JobState, User, utcnow
 
 router = APIRouter(tags=["dashboard"])
@@ -136,7 +136,8 @@ def _render_job(session: Session, job_id: str, user: User) -> str:
     if user.is_admin:
         row = session.get(User, job.owner_id)
         owner = row.name if row else None
-    main = job_page.render_main(job, events, names, owner=owner)
+    deliveries = webhooks.delivery_log(session, job.id) if job.webhook_url else None
+    main = job_page.render_main(job, events, names, owner=owner, deliveries=deliveries)
     session.commit()  # ends the read transaction in this thread
     return main
 

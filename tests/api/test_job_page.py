@@ -3,7 +3,11 @@ job, a shell without a key, a 404 for anyone else's job."""
 
 from __future__ import annotations
 
-from storage import lifecycle
+import re
+from datetime import timedelta
+
+from storage import lifecycle, webhooks
+from storage.tables import utcnow
 from storage.workers import GroupReport, report_group
 
 JOB = {"prompt": "a <b>red</b> circle", "width": 64, "height": 64, "num_frames": 9,
@@ -87,5 +91,53 @@ def test_anyone_elses_job_is_a_404_and_without_a_key_the_page_is_an_empty_shell(
 
 
 def test_the_dashboard_links_its_jobs_to_their_pages(api) -> None:  # noqa: ANN001
-    page = api.client.get("/dashboard").text
-    assert '<a href="/dashboard/jobs/${encodeURIComponent(j.id)}">' in page
+    script = api.client.get("/dashboard/assets/dashboard.js").text
+    assert '<a href="/dashboard/jobs/${encodeURIComponent(j.id)}">' in script
+
+
+def test_a_job_with_a_webhook_shows_each_delivery_attempt(api) -> None:  # noqa: ANN001
+    hook = "https://hooks.example.com/kiln?a=1&b=2"
+    r = api.client.post("/v1/jobs", json={**JOB, "webhook_url": hook, "webhook_events": [
+        "job.started", "job.succeeded"]}, headers=api.auth("alice"))
+    assert r.status_code == 201, r.text
+    job = r.json()["id"]
+    running = api.client.get(f"/dashboard/jobs/{job}", headers=api.auth("alice")).text
+    assert "the final event is sent when the job ends" in running
+    assert '<p class="empty">no attempts yet</p>' in running
+    api.finish(job)
+    with api.session() as s:
+        # What kiln.tasks records: job.started sent, the final event refused once, then sent.
+        webhooks.log_attempt(s, job_id=job, event="job.started", msg_id=f"evt_{job}_started_1",
+                             attempt=1, status=200, outcome="delivered")
+        first = webhooks.begin_attempt(s, job, hold_seconds=60)
+        assert first is not None
+        webhooks.record_result(s, job, 1, delivered=False, status=500,
+                               error="the receiver answered HTTP 500 <oops>",
+                               retry_at=utcnow() - timedelta(seconds=1))
+        webhooks.log_attempt(s, job_id=job, event="job.succeeded", msg_id=f"evt_{job}_succeeded",
+                             attempt=1, status=500, error="the receiver answered HTTP 500 <oops>",
+                             outcome="retrying")
+        second = webhooks.begin_attempt(s, job, hold_seconds=60)
+        assert second is not None and second.number == 2
+        webhooks.record_result(s, job, 2, delivered=True, status=204)
+        webhooks.log_attempt(s, job_id=job, event="job.succeeded", msg_id=f"evt_{job}_succeeded",
+                             attempt=2, status=204, outcome="delivered")
+    page = api.client.get(f"/dashboard/jobs/{job}", headers=api.auth("alice")).text
+    start = page.index('<section id="deliveries">')
+    section = page[start:page.index("</section>", start)]
+    assert "https://hooks.example.com/kiln?a=1&amp;b=2" in section
+    assert "asked for: job.started, job.succeeded" in section
+    assert 'job.succeeded <span class="chip succeeded">delivered</span> at <time' in section
+    assert "(attempt 2)" in section
+    rows = re.findall(r'<tr><td class="nowrap"><time [^>]*>[^<]*</time></td>'
+                      r'<td class="mono">(.*?)</td><td>(.*?)</td><td>(.*?)</td>'
+                      r'<td><span class="chip [a-z]+">(.*?)</span></td></tr>', section)
+    assert rows == [  # the newest first
+        ("job.succeeded", "2", "HTTP 204", "delivered"),
+        ("job.succeeded", "1",
+         'HTTP 500 · <span class="dim">the receiver answered HTTP 500 &lt;oops&gt;</span>',
+         "retrying"),
+        ("job.started", "1", "HTTP 200", "delivered")]
+    plain = _submit(api)
+    assert "Webhook deliveries" not in api.client.get(
+        f"/dashboard/jobs/{plain}", headers=api.auth("alice")).text

@@ -1,7 +1,7 @@
 """batch.completed: sent once a batch's last job has ended, with its report, signed the Standard
 Webhooks way (verified here with the ``standardwebhooks`` library), retried with the same
 ``webhook-id``, exactly once when jobs end together, and made good by the sweep when its task
-is lost."""
+is lost; and every attempt at any webhook event lands in the delivery log."""
 
 from __future__ import annotations
 
@@ -16,12 +16,21 @@ from servers import Receiver
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 from standardwebhooks import Webhook
-from task_helpers import SECRET, fail, make_settings, succeed, user
+from task_helpers import SECRET, fail, make_settings, submit, succeed, user
 
 from api.batches import Submission, specs_from_submission
 from api.schemas import BatchCreate
 from kiln import signing
-from kiln.tasks import Context, batch_event_id, deliver_batch, reap_leases, sweep_batches
+from kiln.tasks import (
+    Context,
+    batch_event_id,
+    deliver,
+    deliver_batch,
+    deliver_logged,
+    reap_leases,
+    started_event,
+    sweep_batches,
+)
 from storage import batches, lifecycle, webhooks
 from storage.submission import JobSpec
 from storage.tables import Batch, Job, WebhookAttempt, utcnow
@@ -200,3 +209,23 @@ def test_the_filter_drops_it_and_unknown_events_or_private_addresses_are_refused
     with pytest.raises(RequestValidationError) as refused:
         specs_from_submission(Submission(private, [1]), strict, utcnow())
     assert [e["loc"] for e in refused.value.errors()] == [("body", "webhook_url")]
+
+
+def test_every_attempt_at_a_jobs_events_goes_into_its_delivery_log(ctx: Context) -> None:
+    t = utcnow() - timedelta(minutes=1)
+    with Receiver(fail_first=1) as receiver:
+        with ctx.sessions() as s:
+            job = submit(s, now=t, webhook_url=receiver.url,
+                         webhook_events=["job.started", "job.failed"])
+            job_id = job.id
+            msg_id, body = started_event(job)
+            fail(s, job_id, now=t)
+        assert deliver_logged(ctx, receiver.url, msg_id, "job.started", body).state == "pending"
+        assert deliver(ctx, job_id, now=t + timedelta(seconds=5)).state == "delivered"
+    with ctx.sessions() as s:
+        log = webhooks.delivery_log(s, job_id)
+        assert [(a.event, a.attempt, a.status, a.outcome) for a in log.attempts] == [
+            ("job.failed", 1, 200, "delivered"), ("job.started", 1, 500, "retrying")]
+        assert log.attempts[1].error == "the receiver answered HTTP 500"
+        assert log.num_attempts == 2
+        assert log.final is not None and log.final.state == webhooks.DELIVERED
