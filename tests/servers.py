@@ -21,7 +21,7 @@ import uvicorn
 from typer.testing import CliRunner
 
 from api.app import create_app
-from common.procs import stop_group
+from common.procs import free_port, stop_group
 from common.settings import Settings
 from kiln.cli import app as cli
 from storage.outputs import OutputStore
@@ -248,3 +248,38 @@ def job_row(service: Service, job_id: str) -> Any:
         assert job is not None
         s.expunge(job)
         return job
+
+
+def answers(url: str) -> bool:
+    """Whether ``url`` answers 200 now."""
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def kiln_up(tmp_path: Path, *args: str) -> Iterator[tuple[str, str]]:
+    """``kiln up *args --no-celery`` in ``tmp_path`` on a free API port, in a process group of
+    its own; yields (the API's base URL, the admin key) once the API answers, and stops it on
+    leaving."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KILN_") and k not in ("REDIS_URL", "DATABASE_URL")}
+    env["KILN_API_PORT"] = str(port)
+    proc = subprocess.Popen([KILN, "up", *args, "--no-celery"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        key_file = tmp_path / "var" / "admin.key"
+        deadline = time.monotonic() + 120
+        while not key_file.exists() or not answers(f"{base}/healthz"):
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "kiln up did not come up"
+            time.sleep(0.2)
+        yield base, key_file.read_text().strip()
+    finally:
+        stop_group(proc, timeout=90)
+        if proc.stdout:
+            proc.stdout.close()

@@ -4,46 +4,14 @@ group at ``--dp 2`` and at ``--dp 1 --sp 2`` (one replica of two ranks)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import av
 import httpx
 import pytest
-from servers import KILN
-
-from common.procs import free_port, stop_group
-
-
-@contextlib.contextmanager
-def _kiln_up(tmp_path: Path, *args: str) -> Iterator[tuple[str, str]]:
-    """``kiln up *args`` in ``tmp_path`` on a free API port, in a process group of its own;
-    yields (the API's base URL, the admin key) once the API answers, and stops it on leaving."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("KILN_") and k not in ("REDIS_URL", "DATABASE_URL")}
-    env["KILN_API_PORT"] = str(port)
-    proc = subprocess.Popen([KILN, "up", *args, "--no-celery"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        key_file = tmp_path / "var" / "admin.key"
-        deadline = time.monotonic() + 120
-        while not key_file.exists() or not _ok(f"{base}/healthz"):
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            assert time.monotonic() < deadline, "kiln up did not come up"
-            time.sleep(0.2)
-        yield base, key_file.read_text().strip()
-    finally:
-        stop_group(proc, timeout=90)
-        if proc.stdout:
-            proc.stdout.close()
+from servers import kiln_up
 
 
 def _decoded_frames(path: Path) -> list[Any]:
@@ -52,7 +20,7 @@ def _decoded_frames(path: Path) -> list[Any]:
 
 
 def test_kiln_up_from_an_empty_directory_renders_a_submitted_job(tmp_path: Path) -> None:
-    with _kiln_up(tmp_path, "--dp", "2") as (base, key):
+    with kiln_up(tmp_path, "--dp", "2") as (base, key):
         headers = {"Authorization": f"Bearer {key}"}
         body = {"prompt": "a red circle moving left", "width": 64, "height": 64,
                 "num_frames": 9, "num_inference_steps": 4, "seed": 7}
@@ -82,7 +50,7 @@ def test_kiln_up_at_dp1_sp2_renders_an_sdk_job_on_one_replica_of_two_ranks(
     import openai
 
     # --goal reaches the worker (throughput: not the default at sp=2).
-    with _kiln_up(tmp_path, "--dp", "1", "--sp", "2", "--goal", "throughput") as (base, key):
+    with kiln_up(tmp_path, "--dp", "1", "--sp", "2", "--goal", "throughput") as (base, key):
         sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=30)
         video = sdk.videos.create(prompt="a red circle moving left", model="kiln-tiny",
                                   size="64x64", seconds="1",  # type: ignore[arg-type]
@@ -109,9 +77,3 @@ def test_kiln_up_at_dp1_sp2_renders_an_sdk_job_on_one_replica_of_two_ranks(
         assert [(r["replica"], r["ranks"]) for r in group["replicas"]] == [(0, [0, 1])], group
         assert [(r["rank"], r["replica"]) for r in group["ranks"]] == [(0, 0), (1, 0)], group
 
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False

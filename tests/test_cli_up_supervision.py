@@ -18,7 +18,7 @@ import httpx
 import pytest
 from redis import Redis
 from redis.exceptions import RedisError
-from servers import KILN
+from servers import KILN, answers
 
 from common.procs import free_port, stop_group
 
@@ -68,7 +68,7 @@ class Up:
         """Waits for the API and the admin key; the headers that carry the key."""
         key_file = self.cwd / "var" / "admin.key"
         deadline = time.monotonic() + timeout
-        while not key_file.exists() or not _ok(f"{self.base}/healthz"):
+        while not key_file.exists() or not answers(f"{self.base}/healthz"):
             assert self.proc.poll() is None, self.output
             assert time.monotonic() < deadline, f"kiln up did not come up:\n{self.output}"
             time.sleep(0.2)
@@ -124,13 +124,6 @@ class Probe:
     def stop(self) -> None:
         self.done.set()
         self.thread.join(timeout=10)
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _ready_groups(up: Up, headers: dict[str, str]) -> set[str]:
@@ -235,7 +228,7 @@ def test_a_killed_api_and_private_redis_come_back_on_the_same_address(tmp_path: 
         up.wait_line(r"api exited with code -9 \(killed by SIGKILL\)", after=seen)
         up.wait_line(r"api restarted \(pid \d+\)", after=seen)
         deadline = time.monotonic() + 60
-        while not _ok(f"{up.base}/healthz"):
+        while not answers(f"{up.base}/healthz"):
             assert time.monotonic() < deadline, up.output
             time.sleep(0.2)
         assert httpx.get(f"{up.base}/v1/workers", headers=headers, timeout=30).status_code == 200
@@ -254,7 +247,7 @@ def test_a_killed_api_and_private_redis_come_back_on_the_same_address(tmp_path: 
                 pass
             assert time.monotonic() < deadline, up.output
             time.sleep(0.2)
-        while not _ok(f"{up.base}/readyz"):  # the API reaches the new Redis
+        while not answers(f"{up.base}/readyz"):  # the API reaches the new Redis
             assert time.monotonic() < deadline + 30, up.output
             time.sleep(0.2)
         assert up.log("api").count("----- kiln up") >= 3
@@ -288,5 +281,5 @@ def test_a_worker_that_fails_at_every_start_stops_kiln_up_with_a_plain_message(
     assert tail[-2].startswith("    ValueError: --model must be") and "no-such-model" in tail[-2]
     assert "Usage:" not in out and "Traceback" not in out.split("The end of")[0]
     assert out.endswith("stopping ...")
-    assert not _ok(f"{up.base}/healthz")  # the API stopped with it
+    assert not answers(f"{up.base}/healthz")  # the API stopped with it
     assert up.log("worker").count("----- kiln up") == 12  # six starts, six exits

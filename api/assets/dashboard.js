@@ -101,12 +101,8 @@
       if (!el.name || el.value.trim() === "") continue;
       body[el.name] = el.type === "number" ? Number(el.value) : el.value.trim();
     }
-    const local = [];
+    const local = [];  // the rest is checked by the API, whose messages name the nearest values
     if (!body.prompt) local.push({ field: "prompt", message: "write what the video shows" });
-    for (const el of form.querySelectorAll("input[type=number]")) {
-      if (el.value !== "" && !el.checkValidity()) local.push({ field: el.name,
-                                                                message: el.validationMessage });
-    }
     fieldErrors(local);
     if (local.length) return;
     $("submit-button").disabled = true;
@@ -229,7 +225,9 @@
           : '<span class="dim">idle</span>';
         return `<tr><td>rank ${r.rank}</td><td>${r.replica ?? "—"}</td>
           <td class="mono">${esc(r.device)}</td><td>${job}</td><td>${weights}</td>
-          <td>${bytes(r.device_mem_used_bytes)}</td><td>${bytes(r.host_mem_bytes)}</td>
+          <td>${String(r.device).startsWith("cpu") ? '<span class="dim" title="on the CPU ' +
+            'the device is host memory: see the PSS">—</span>' : bytes(r.device_mem_used_bytes)}
+          </td><td>${bytes(r.host_mem_bytes)}</td>
           <td class="mono dim">${r.pid ?? ""}</td></tr>`;
       }).join("");
       return `<section><h2>${esc(g.name)} ${chip(state)}
@@ -245,7 +243,7 @@
             </span></td></tr>
           <tr><th>running</th><td>${g.num_running} of ${g.dp_size} replica(s)</td></tr>
         </table>
-        <div><table><tr><th>rank</th><th>replica</th><th>device</th><th>current job · step</th>
+        <div class="ranks"><table><tr><th>rank</th><th>replica</th><th>device</th><th>current job · step</th>
           <th>device weight buffers · of the model</th><th>device memory used</th>
           <th>host memory (PSS)</th><th>pid</th></tr>${ranks}</table></div></section>`;
     }).join("");
