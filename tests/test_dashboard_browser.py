@@ -64,6 +64,14 @@ def _wait(driver: Any, what: str, condition: Any, timeout: float = 60) -> Any:
         condition, message=f"waiting for {what}")
 
 
+def _click(driver: Any, what: str, selector: str) -> None:
+    """Clicks the element ``selector`` names once it is there, in one step in the page (live
+    updates redraw the tables, so an element found in one call may be gone at the next)."""
+    _wait(driver, what, lambda d: d.execute_script(
+        "const el = document.querySelector(arguments[0]); if (el) el.click(); return !!el;",
+        selector))
+
+
 def _shot(driver: Any, name: str) -> Path:
     SHOTS.mkdir(parents=True, exist_ok=True)
     path = SHOTS / f"{name}.png"
@@ -138,7 +146,7 @@ def test_dashboard_in_a_browser_submits_watches_plays_and_cancels(
         _shot(browser, "jobs")
 
         # The job page plays the video.
-        browser.find_element(By.CSS_SELECTOR, f'{row} a[href^="/dashboard/jobs/"]').click()
+        _click(browser, "the job's link", f'{row} a[href^="/dashboard/jobs/"]')
         video = _wait(browser, "the video", lambda d: d.find_elements(By.TAG_NAME, "video"))[0]
         _wait(browser, "the video's metadata", lambda d: d.execute_script(
             "return arguments[0].readyState >= 1 && arguments[0].duration > 0;", video))
@@ -196,11 +204,10 @@ def test_dashboard_in_a_browser_submits_watches_plays_and_cancels(
         assert "dp 2 × sp 1" in text and "rank 1" in text and "summed PSS" in text
         _shot(browser, "workers")
         browser.get(f"{base}/dashboard#batches")
-        _wait(browser, "the batch's link", lambda d: d.find_elements(
-            By.CSS_SELECTOR, f'#batches a[href="/dashboard/batches/{batch}"]'))[0].click()
-        _wait(browser, "the batch report", lambda d: "night shift" in d.find_element(
-            By.TAG_NAME, "main").text and "succeeded" in d.find_element(By.TAG_NAME,
-                                                                          "main").text)
+        _click(browser, "the batch's link", f'#batches a[href="/dashboard/batches/{batch}"]')
+        report = "const t = document.querySelector('main').textContent;" \
+                 "return t.includes('night shift') && t.includes('succeeded');"
+        _wait(browser, "the batch report", lambda d: d.execute_script(report))
         _shot(browser, "batch-report")
         # No script failed on any page (refused requests, like the 422 above, are the network's).
         errors = [e for e in browser.get_log("browser")
