@@ -65,7 +65,9 @@ def _report_cards(report: BatchReport) -> str:
     cards = [_card(str(counts.get(state, 0)), state, cls=state) for state in _FINAL]
     succeeded = counts.get(JobState.SUCCEEDED, 0)
     if report.videos_per_hour is not None and report.active_seconds is not None:
-        rate = _card(f"{report.videos_per_hour:g}", "videos per hour",
+        per_hour = report.videos_per_hour
+        rate = _card(f"{per_hour:,.0f}" if per_hour >= 10 else f"{per_hour:.2g}",
+                     "videos per hour",
                      f"over {_seconds(report.active_seconds)} of running")
     else:
         rate = _card("—", "videos per hour", "once a job has run and ended")
@@ -76,15 +78,28 @@ def _report_cards(report: BatchReport) -> str:
     return f'<div class="cards report">{"".join(cards)}</div>'
 
 
+# Jobs named per reason: a reason shared by a thousand expired jobs is one row, not a thousand.
+EXAMPLES_PER_REASON = 5
+
+
 def _problems(report: BatchReport) -> str:
+    """The problems grouped by state and reason, most common first, a few jobs named each."""
     if not report.problems:
         return ""
-    items = "".join(
-        f"<li>{_job_link(p.id)} {_chip(p.status)}"
-        f"{f' line {_e(p.line)}' if p.line else ''}: {_error(p) or _e('no reason recorded')}</li>"
-        for p in report.problems)
+    groups: dict[tuple[str, str], list[BatchReportJob]] = {}
+    for p in report.problems:
+        groups.setdefault((p.status, _error(p) or _e("no reason recorded")), []).append(p)
+    rows = []
+    for (state, reason), jobs in sorted(groups.items(), key=lambda g: -len(g[1])):
+        named = ", ".join(f"{_job_link(j.id)}{f' (line {_e(j.line)})' if j.line else ''}"
+                          for j in jobs[:EXAMPLES_PER_REASON])
+        more = (f' <span class="dim">and {len(jobs) - EXAMPLES_PER_REASON} more</span>'
+                if len(jobs) > EXAMPLES_PER_REASON else "")
+        rows.append(f'<tr><td class="n">{len(jobs)}</td><td>{_chip(state)}</td>'
+                    f'<td class="text">{reason}</td><td>{named}{more}</td></tr>')
     return (f'<section><h2>Failed, expired and dead<span class="aside">{len(report.problems)}'
-            f'</span></h2><ul class="problems">{items}</ul></section>')
+            '</span></h2><div><table class="problems"><tr><th>jobs</th><th>state</th>'
+            f'<th>reason</th><th>which</th></tr>{"".join(rows)}</table></div></section>')
 
 
 def _jobs_table(report: BatchReport) -> str:

@@ -159,7 +159,7 @@
         <td class="prompt" title="${esc(j.prompt)}">${esc(j.prompt)}</td>
         <td class="nowrap">${j.width}×${j.height} · ${j.num_frames} f · ${esc(j.class)}</td>
         ${admin ? `<td>${esc(j.owner)}</td>` : ""}
-        <td class="dim">${info}</td>
+        <td class="dim reason">${info}</td>
         <td class="dim nowrap">${ago(j.created_at)}</td>
         <td>${open && !j.cancel_requested ? `<button type="button" class="danger small"
           data-cancel="${esc(j.id)}">Cancel</button>` : j.cancel_requested && open
