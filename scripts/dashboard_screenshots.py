@@ -22,9 +22,10 @@ import httpx
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
+# What kiln-tiny was trained to draw (README: shapes, colours, directions).
 PROMPTS = ["a red circle moving left", "a blue square moving right", "a green circle moving up",
-           "a yellow square moving down", "a white circle moving right",
-           "a magenta square moving left", "a cyan circle moving down", "an orange square"]
+           "a yellow square moving down", "a purple triangle moving right",
+           "a cyan circle moving down", "a green triangle moving left", "a red square bouncing"]
 
 
 def _until(what: str, check, timeout: float = 300) -> None:  # noqa: ANN001
@@ -84,7 +85,7 @@ def main() -> None:
             time.sleep(3)
             height = browser.execute_script("return document.documentElement.scrollHeight")
             browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {  # the whole page
-                "width": 1440, "height": min(max(900, height), 2400), "deviceScaleFactor": 1,
+                "width": 1440, "height": min(max(900, height), 1600), "deviceScaleFactor": 1,
                 "mobile": False})
             time.sleep(0.5)
             browser.save_screenshot(str(out / f"{name}.png"))
