@@ -21,11 +21,18 @@ def atomic_path(target: Path, *, prefix: str | None = None,
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{target.name}." if prefix is None else prefix
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=suffix)
-    os.close(fd)
+    # The directory held open: a failed write removes its temporary through it even when the
+    # directory was moved or replaced meanwhile (its path then no longer reaches the file).
+    dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        yield Path(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=suffix)
+        os.close(fd)
+        try:
+            yield Path(tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(Path(tmp).name, dir_fd=dir_fd)
+            raise
+    finally:
+        os.close(dir_fd)

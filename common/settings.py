@@ -127,8 +127,8 @@ class Settings(BaseSettings):
     lease_seconds: int = Field(default=120, ge=5)
     max_attempts: int = Field(default=3, ge=1)
     # While a job runs, its replica's leader stores a preview frame (the current estimate of the
-    # clip's middle frame) every this many steps, for the job page: only where the model's
-    # pipeline offers it cheaply (kiln-tiny: under a tenth of a step). 0: no previews.
+    # clip's middle frame) every this many steps, at most twice a second, for the job page: only
+    # where the model's pipeline offers it cheaply (kiln-tiny: under a tenth of a step). 0: none.
     preview_every_steps: int = Field(default=2, ge=0)
     # How often the API re-adds queued jobs from the database to the Redis queue index.
     reconcile_interval_seconds: float = Field(default=60.0, gt=0)

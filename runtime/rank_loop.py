@@ -28,12 +28,12 @@ and the driver sees why (`RankStatus.store_error`). A job the driver gives up (`
 its attempt was handed back) is dropped, and so is every job still held when the loop ends.
 
 Previews: where the pipeline offers them (``can_preview``) and ``write`` stores them, a replica's
-leader takes one every ``preview_every_steps`` steps of its job, after the step (the decode of one
-frame is the only time it adds to the lock-step turn), and hands it to a preview thread of its own,
-which stores it in place of the last (``write.preview``) and deletes it when the job ends
-(``write.drop_preview``). Only the newest preview waits for that thread; a preview that fails, to
-decode or to store, is logged and skipped: it never fails the job, holds up its files, or counts as
-a store fault.
+leader takes one every ``preview_every_steps`` steps of its job (at most every
+``PREVIEW_MIN_SECONDS``), after the step: the decode of one frame is the only time it adds to the
+lock-step turn. It hands the frame to a preview thread of its own, which stores it in place of the
+last (``write.preview``) and deletes it when the job ends (``write.drop_preview``). Only the
+newest preview waits for that thread; a preview that fails, to decode or to store, is logged and
+skipped: it never fails the job, holds up its files, or counts as a store fault.
 
 While no rank has work, the driver still returns an empty plan every so often, so the other ranks
 never sit in a collective long enough to time out.
@@ -75,6 +75,10 @@ MAX_RETRY_SECONDS = 30.0
 MAX_HELD_JOBS = 2
 # The longest a turn without a step waits for a rank's writes.
 WRITE_WAIT_SECONDS = 1.0
+# The least time between two previews a rank takes: the job page asks for one at most this often
+# (on the job's progress events), and a fast job (kiln-tiny: 16 ms a step) would otherwise put a
+# PNG into the store every few milliseconds.
+PREVIEW_MIN_SECONDS = 0.5
 # On the way out, how long a rank waits for a try of its writer thread that is under way (the
 # thread is a daemon: one that hangs does not keep the process).
 CLOSE_WAIT_SECONDS = 5.0
@@ -206,6 +210,7 @@ class RankLoop:
             and hasattr(write, "preview") and hasattr(write, "drop_preview")) else 0
         self._preview: _Preview | None = None
         self._previews_ended: list[str] = []
+        self._last_preview = -float("inf")  # when this rank last took one (monotonic)
         if self.preview_every_steps:
             self._previewer = threading.Thread(target=self._store_previews, daemon=True,
                                                name=f"kiln-preview-{rank}")
@@ -250,7 +255,9 @@ class RankLoop:
             return ended if self.leads else None
         self.compute_seconds += time.perf_counter() - started
         if not self.state.done:
-            if self.preview_every_steps and self.state.step_index % self.preview_every_steps == 0:
+            if (self.preview_every_steps
+                    and self.state.step_index % self.preview_every_steps == 0
+                    and time.monotonic() - self._last_preview >= PREVIEW_MIN_SECONDS):
                 self._take_preview()
             return None
         assert self.ticket is not None
@@ -339,6 +346,7 @@ class RankLoop:
     def _take_preview(self) -> None:
         """The running job's preview, for the preview thread in place of one it has not taken."""
         assert self.state is not None and self.ticket is not None
+        self._last_preview = time.monotonic()
         try:
             frame = self.pipe.preview(self.state).numpy()
         except Exception:

@@ -92,6 +92,7 @@ PLATFORM = SimpleNamespace(mem_get_info=lambda: (1, 2), device="cpu", is_acceler
 def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rank_loop, "FIRST_RETRY_SECONDS", 0.05)
     monkeypatch.setattr(rank_loop, "MAX_RETRY_SECONDS", 0.2)
+    monkeypatch.setattr(rank_loop, "PREVIEW_MIN_SECONDS", 0.0)
 
 
 @pytest.fixture
@@ -296,6 +297,20 @@ def test_the_leader_stores_a_kiln_tiny_preview_every_n_steps_and_drops_it_at_the
         loop.close()
     assert plain.previews == [] and plain.dropped == []
     assert (plain.frames["p"] == write.frames["p"]).all()
+
+
+def test_a_rank_takes_previews_at_most_every_preview_min_seconds(
+        tiny_pipe: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rank_loop, "PREVIEW_MIN_SECONDS", 60.0)
+    write = PreviewWrite()
+    loop = RankLoop(0, tiny_pipe, write, PLATFORM, preview_every_steps=1)  # type: ignore[arg-type]
+    try:
+        _tiny_job(loop, "r", lambda step: _until(lambda: len(write.steps()) == 1))
+        _collect(loop, 1)
+        _until(lambda: write.dropped == ["r"])
+    finally:
+        loop.close()
+    assert write.steps() == [1]  # steps 2 to 5 came within the minute
 
 
 def test_a_preview_the_store_refuses_is_logged_and_neither_fails_nor_holds_up_the_job(
