@@ -10,18 +10,18 @@ stored key and reload it when one of its jobs changes.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fastapi import HTTPException, status
 from sqlalchemy.orm import Session
 
 from api import batches as batch_views
-from api.job_page import _SHELL_MAIN, _e, _seconds, _time  # the pages' shared formatting
+from api import pages
+from api.pages import e as _e
+from api.pages import seconds as _seconds
+from api.pages import time as _time
 from api.schemas import BatchPublic, BatchReport, BatchReportJob
 from storage import batches, feed
 from storage.tables import JobState, User
 
-_FRAME = Path(__file__).resolve().parent / "batch_page.html"
 # Rows in the jobs table: a page reloaded at every change of a huge batch stays small; the
 # problems are listed in full above it, and the report route has every job.
 MAX_JOB_ROWS = 500
@@ -165,7 +165,7 @@ def render_main(public: BatchPublic, report: BatchReport, *, last_event: int) ->
 </main>"""
 
 
-def page(main: str | None, title: str) -> str:
+def page(main: str | None, batch_id: str) -> str:
     """The whole page around ``main`` (None: the shell that loads it with the stored key)."""
-    frame = _FRAME.read_text(encoding="utf-8")
-    return frame.replace("<!--TITLE-->", _e(title)).replace("<!--MAIN-->", main or _SHELL_MAIN)
+    return pages.page(main, title=f"batch {batch_id}", heading=f"batch report {batch_id}",
+                      script="batch_page.js")

@@ -13,32 +13,17 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from html import escape
-from pathlib import Path
 from typing import Any
 
+from api import pages
+from api.pages import e as _e
+from api.pages import seconds as _seconds
+from api.pages import time as _time
 from common.families import family_of
 from storage.tables import TERMINAL_STATES, Job, JobEvent, JobState
 from storage.webhooks import DeliveryLog, wants
 
-_FRAME = Path(__file__).resolve().parent / "job_page.html"
-
 _OUTCOMES = {"requeued", "succeeded", "failed", "dead", "cancelled"}
-
-
-def _e(value: Any) -> str:
-    return escape("" if value is None else str(value), quote=True)
-
-
-def _time(at: datetime | None) -> str:
-    if at is None:
-        return '<span class="dim">—</span>'
-    iso = at.isoformat()
-    return f'<time datetime="{_e(iso)}">{_e(at.strftime("%Y-%m-%d %H:%M:%S UTC"))}</time>'
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
 @dataclass
@@ -266,11 +251,6 @@ def render_main(job: Job, events: Sequence[JobEvent], group_names: dict[str, str
 </main>"""
 
 
-_SHELL_MAIN = ('<main data-shell="true"><p class="empty" id="shell">Loading… (this page needs '
-               "your API key: enter it above; it is kept in this browser)</p></main>")
-
-
-def page(main: str | None, title: str) -> str:
+def page(main: str | None, job_id: str) -> str:
     """The whole page around ``main`` (None: the shell that loads it with the stored key)."""
-    frame = _FRAME.read_text(encoding="utf-8")
-    return frame.replace("<!--TITLE-->", _e(title)).replace("<!--MAIN-->", main or _SHELL_MAIN)
+    return pages.page(main, title=f"job {job_id}", heading=f"job {job_id}", script="job_page.js")
