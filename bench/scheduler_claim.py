@@ -149,7 +149,7 @@ def run(url: str, r: redis.Redis, args: argparse.Namespace) -> None:
                     lifecycle.finish_succeeded(s, c.job.id, c.attempt_token, video_key="v")
                     record_result(r, prefix=prefix, job_id=c.job.id, model=MODEL,
                                   num_tokens=job_tokens(c.job),
-                                  num_steps=c.job.num_inference_steps,
+                                  num_inference_steps=c.job.num_inference_steps,
                                   render_seconds=0.05 * c.job.num_inference_steps)
                 if i % 10 == 0:  # submissions keep arriving through the API path
                     for _ in range(5):

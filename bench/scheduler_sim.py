@@ -76,7 +76,7 @@ class SimJob:
     job_id: str
     owner: str
     size: Size
-    num_steps: int
+    num_inference_steps: int
     arrival: float
 
 
@@ -92,7 +92,7 @@ class Outcome:
         return statistics.fmean(self.waits)
 
 
-def measure(sizes: list[Size], num_steps: int) -> tuple[dict[Size, Timing], float]:
+def measure(sizes: list[Size], num_inference_steps: int) -> tuple[dict[Size, Timing], float]:
     import torch
 
     from runtime.pipelines.base import VideoRequest
@@ -104,13 +104,13 @@ def measure(sizes: list[Size], num_steps: int) -> tuple[dict[Size, Timing], floa
     for size in sizes:
         request = VideoRequest(prompt="a red circle moving left", width=size.width,
                                height=size.height, num_frames=size.num_frames,
-                               num_inference_steps=num_steps + 1)
+                               num_inference_steps=num_inference_steps + 1)
         start = time.perf_counter()
         state = pipe.prepare(request)
         prepare = time.perf_counter() - start
         pipe.step(state)  # warm-up: first-touch allocations
         steps = []
-        for _ in range(num_steps):
+        for _ in range(num_inference_steps):
             start = time.perf_counter()
             pipe.step(state)
             steps.append(time.perf_counter() - start)
@@ -119,7 +119,7 @@ def measure(sizes: list[Size], num_steps: int) -> tuple[dict[Size, Timing], floa
         decode = time.perf_counter() - start
         out[size] = Timing(prepare=prepare, step=statistics.median(steps), decode=decode)
     idles = []
-    for _ in range(num_steps):
+    for _ in range(num_inference_steps):
         start = time.perf_counter()
         pipe.idle_step()
         idles.append(time.perf_counter() - start)
@@ -134,7 +134,8 @@ def workload(n: int, sizes: list[Size], seed: int, mean_gap: float | None) -> li
         if mean_gap is not None:
             t += rng.expovariate(1.0 / mean_gap)
         jobs.append(SimJob(job_id=f"j{i}", owner=f"user{rng.randrange(4)}",
-                           size=rng.choice(sizes), num_steps=rng.choice(STEPS), arrival=t))
+                           size=rng.choice(sizes), num_inference_steps=rng.choice(STEPS),
+                           arrival=t))
     return jobs
 
 
@@ -153,8 +154,8 @@ def simulate_waves(jobs: list[SimJob], dp: int, timing: dict[Size, Timing],
         waits += [t - j.arrival for j in wave]
         t += max(timing[j.size].prepare for j in wave)
         # A short wave repeats requests on its spare ranks: they cost as much as the slowest.
-        for k in range(max(j.num_steps for j in wave)):
-            t += max([timing[j.size].step if k < j.num_steps else idle for j in wave])
+        for k in range(max(j.num_inference_steps for j in wave)):
+            t += max([timing[j.size].step if k < j.num_inference_steps else idle for j in wave])
         t += max(timing[j.size].decode for j in wave)
     return Outcome(makespan=t, waits=waits)
 
@@ -179,7 +180,7 @@ def simulate_kiln(jobs: list[SimJob], dp: int, timing: dict[Size, Timing], idle:
                                  priority=5, due=j.arrival,
                                  num_tokens=tokens(j.size.width, j.size.height,
                                                    j.size.num_frames, family=FAMILY),
-                                 num_steps=j.num_steps))
+                                 num_inference_steps=j.num_inference_steps))
             i += 1
         boundary = list(pending_decode)
         pending_decode = [0.0] * dp
@@ -191,7 +192,7 @@ def simulate_kiln(jobs: list[SimJob], dp: int, timing: dict[Size, Timing], idle:
             plan = policy.schedule(free, model=MODEL, running=running, now=t)
             for rank, job_id in plan.assignments.items():
                 job = by_id[job_id]
-                ranks[rank] = [job, job.num_steps]
+                ranks[rank] = [job, job.num_inference_steps]
                 waits.append(t - job.arrival)
                 boundary[rank] += timing[job.size].prepare
         t += max(boundary)
@@ -211,8 +212,8 @@ def simulate_kiln(jobs: list[SimJob], dp: int, timing: dict[Size, Timing], idle:
                     job_id=job.job_id, model=MODEL,
                     num_tokens=tokens(job.size.width, job.size.height, job.size.num_frames,
                                       family=FAMILY),
-                    num_steps=job.num_steps,
-                    render_seconds=job.num_steps * timing[job.size].step)])
+                    num_inference_steps=job.num_inference_steps,
+                    render_seconds=job.num_inference_steps * timing[job.size].step)])
                 ranks[r] = None
                 done += 1
     t += max(pending_decode)

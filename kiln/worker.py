@@ -529,7 +529,7 @@ class Coordinator:
         try:
             record_result(self.redis, prefix=self.settings.redis_prefix, job_id=job.id,
                           model=job.model, num_tokens=job_tokens(job),
-                          num_steps=st.num_inference_steps,
+                          num_inference_steps=st.num_inference_steps,
                           render_seconds=st.compute_seconds, sp=self.layout.sp)
         except RedisError:
             log.warning("could not record the cost of job %s", job.id, exc_info=True)

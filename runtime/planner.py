@@ -45,6 +45,7 @@ import torch.distributed as dist
 from common.families import family_of
 from common.families import tokens as count_tokens
 from runtime.launch import RankContext, run_ranks
+from runtime.models.tiny import TinyConfig
 from runtime.pipelines.base import VideoRequest, agree_handles
 from runtime.render import load_pipeline, memory_figures
 from runtime.sequence import Layout, open_sequence
@@ -300,16 +301,12 @@ def _width_of(model: str) -> int:
     c = _transformer_config(model)
     if c:
         return int(c.get("num_attention_heads", 1) * c.get("attention_head_dim", 1))
-    from runtime.models.tiny import TinyConfig  # here: only kiln-tiny needs its config
-
     return TinyConfig().dim
 
 
 def heads_of(model: str) -> int | None:
     """The transformer's attention heads (sp must divide them), when known."""
     if model == "kiln-tiny":
-        from runtime.models.tiny import TinyConfig  # here: only kiln-tiny needs its config
-
         return TinyConfig().num_heads
     return _transformer_config(model).get("num_attention_heads")
 

@@ -62,8 +62,8 @@ log = logging.getLogger(__name__)
 # rank's writer thread. It raises OSError when the storage failed (the job is kept and tried
 # again), anything else when these frames cannot be written (the job fails). It may have
 # ``discard(job_id)`` (drop what it keeps for a job given up) and ``close()``, and for previews
-# ``preview(frame [H, W, 3] uint8 numpy, job_id, step, num_steps)`` and ``drop_preview(job_id)``,
-# called on the rank's preview thread.
+# ``preview(frame [H, W, 3] uint8 numpy, job_id, step, num_inference_steps)`` and
+# ``drop_preview(job_id)``, called on the rank's preview thread.
 WriteOutputs = Callable[[Any, str, int], tuple[str, str]]
 
 # While the storage refuses a rank's writes, the writer thread waits this long before the first
@@ -141,7 +141,7 @@ class _Preview:
 
     job_id: str
     step: int
-    num_steps: int
+    num_inference_steps: int
     frame: Any  # uint8 [H, W, 3]
 
 
@@ -373,7 +373,7 @@ class RankLoop:
                 ended, self._previews_ended = self._previews_ended, []
             if preview is not None:
                 try:
-                    put(preview.frame, preview.job_id, preview.step, preview.num_steps)
+                    put(preview.frame, preview.job_id, preview.step, preview.num_inference_steps)
                 except Exception as exc:
                     if not refused:
                         log.warning("rank %d: job %s's preview not stored: %s", self.rank,

@@ -155,7 +155,7 @@ def _claim_rounds(session: Session, redis: Redis, prefix: str, group_id: str, mo
             started.append(job)
             busy.append(RunningJob(job_id=job_id, rank=rank, model=model,
                                    cost_per_step=plan.step_costs[job_id],
-                                   steps_left=job.num_steps))
+                                   steps_left=job.num_inference_steps))
         _settle(redis, prefix, started, plan.step_costs,
                 [loaded[i] for i in [*plan.expired, *plan.assignments.values()]])
         if not plan.assignments and not plan.expired:
@@ -216,26 +216,27 @@ def _settle_now(redis: Redis, prefix: str, started: Sequence[QueuedJob],
     for job in started:
         queue_index.charge(pipe, prefix, job_id=job.job_id, job_class=job.job_class,
                            owner=job.owner, cost_per_step=step_costs[job.job_id],
-                           num_steps=job.num_steps, ttl_seconds=CHARGE_TTL_SECONDS)
+                           num_inference_steps=job.num_inference_steps,
+                           ttl_seconds=CHARGE_TTL_SECONDS)
     queue_index.remove(pipe, prefix, [j.job_id for j in done])
     pipe.execute()
 
 
 def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tokens: int,
-                  num_steps: int, render_seconds: float, sp: int = 1) -> None:
+                  num_inference_steps: int, render_seconds: float, sp: int = 1) -> None:
     """A finished attempt's real cost: teaches the cost model seconds per step for its size and
     replaces the estimate its user was charged by the real render seconds. Pass the rank's own
     compute time for the steps where it is measured: a lock-step group's wall time includes
     waiting for the slowest rank. ``sp``: the ranks per replica it rendered on; the fit of that
     layout learns from it."""
-    result = JobResult(job_id=job_id, model=model, num_tokens=num_tokens, num_steps=num_steps,
-                       render_seconds=render_seconds)
+    result = JobResult(job_id=job_id, model=model, num_tokens=num_tokens,
+                       num_inference_steps=num_inference_steps, render_seconds=render_seconds)
     raw = redis.getdel(queue_index.charge_key(prefix, job_id))
     if raw is not None:
         job_class, owner, estimate = json.loads(raw)[:3]
         redis.hincrbyfloat(queue_index.served_key(prefix, job_class), owner,
                            render_seconds - float(estimate))
-    if result.num_steps <= 0:
+    if result.num_inference_steps <= 0:
         return
     key = cost_key(prefix)
     # Optimistic update: two groups finishing at once both land, one after a retry.
@@ -246,7 +247,7 @@ def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tok
                 raw_cost = pipe.get(key)
                 costs = (CostModel.from_state(json.loads(raw_cost), sp=sp) if raw_cost
                          else CostModel(sp=sp))
-                costs.observe(model, num_tokens, render_seconds / num_steps)
+                costs.observe(model, num_tokens, render_seconds / num_inference_steps)
                 pipe.multi()
                 pipe.set(key, json.dumps(costs.to_state()))
                 pipe.execute()

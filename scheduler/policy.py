@@ -84,7 +84,7 @@ class QueuedJob:
     due: float  # Unix seconds from which it may start (not_before, else submission)
     deadline: float | None = None  # Unix seconds; still queued then -> expired
     num_tokens: int  # video tokens per forward (scheduler.cost.tokens)
-    num_steps: int  # denoising steps
+    num_inference_steps: int  # denoising steps
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,7 +101,7 @@ class JobResult:
     job_id: str
     model: str
     num_tokens: int
-    num_steps: int  # steps actually run
+    num_inference_steps: int  # steps actually run
     render_seconds: float  # wall time of those steps
 
 
@@ -181,9 +181,9 @@ class Policy:
                              f"got {job.job_class!r}")
         if not MIN_PRIORITY <= job.priority <= MAX_PRIORITY:
             raise ValueError(f"priority must be {MIN_PRIORITY}-{MAX_PRIORITY}, got {job.priority}")
-        if job.num_tokens <= 0 or job.num_steps <= 0:
-            raise ValueError(f"num_tokens and num_steps must be positive, got {job.num_tokens}, "
-                             f"{job.num_steps}")
+        if job.num_tokens <= 0 or job.num_inference_steps <= 0:
+            raise ValueError("num_tokens and num_inference_steps must be positive, got "
+                             f"{job.num_tokens}, {job.num_inference_steps}")
         if job.job_id in self._jobs:
             self.remove(job.job_id)
         share = (job.job_class, job.owner)
@@ -262,8 +262,8 @@ class Policy:
     def update_from_output(self, results: Iterable[JobResult]) -> None:
         """Learns seconds per step and replaces each user's estimated charge by the real one."""
         for r in results:
-            if r.num_steps > 0:
-                self.costs.observe(r.model, r.num_tokens, r.render_seconds / r.num_steps)
+            if r.num_inference_steps > 0:
+                self.costs.observe(r.model, r.num_tokens, r.render_seconds / r.num_inference_steps)
             charged = self._charged.pop(r.job_id, None)
             if charged is not None:
                 share, estimate = charged
@@ -272,7 +272,7 @@ class Policy:
     def _start(self, job: QueuedJob, cost_per_step: float) -> None:
         self.remove(job.job_id)
         share = (job.job_class, job.owner)
-        estimate = cost_per_step * job.num_steps
+        estimate = cost_per_step * job.num_inference_steps
         before = self._served.get(share, 0.0)
         self._vtime[job.job_class] = max(self._vtime.get(job.job_class, 0.0), before)
         self._served[share] = before + estimate

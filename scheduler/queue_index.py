@@ -364,14 +364,14 @@ def queued_job(r: Any) -> QueuedJob:
         priority=r.priority, due=due(r),
         deadline=r.deadline.timestamp() if r.deadline is not None else None,
         num_tokens=tokens(r.width, r.height, r.num_frames, family=family_of(r.model)),
-        num_steps=r.num_inference_steps,
+        num_inference_steps=r.num_inference_steps,
     )
 
 
 def _entry(j: QueuedJob) -> list[Any]:
     """A job's seven arguments to the add script."""
     q = queue_name(j.model, j.job_class, j.priority)
-    meta = json.dumps([q, j.owner, j.job_class, j.priority, j.num_tokens, j.num_steps,
+    meta = json.dumps([q, j.owner, j.job_class, j.priority, j.num_tokens, j.num_inference_steps,
                        j.deadline, j.model])
     return [j.job_id, q, j.owner, j.job_class, j.priority, repr(j.due), meta]
 
@@ -426,11 +426,11 @@ def wait_for_work(redis: Redis, prefix: str, timeout_seconds: float) -> bool:
 
 
 def charge(redis: Redis | Pipeline, prefix: str, *, job_id: str, job_class: str, owner: str,
-           cost_per_step: float, num_steps: int, ttl_seconds: int) -> None:
+           cost_per_step: float, num_inference_steps: int, ttl_seconds: int) -> None:
     """Charges a started job to its user and moves the class's virtual time to their level.
     The record (``P sched:charge:{job id}``) also keeps the job's estimated seconds per step."""
-    _run(redis, "charge", prefix, job_class, owner, repr(cost_per_step * num_steps), job_id,
-         ttl_seconds, repr(cost_per_step))
+    _run(redis, "charge", prefix, job_class, owner,
+         repr(cost_per_step * num_inference_steps), job_id, ttl_seconds, repr(cost_per_step))
 
 
 def charged_step_cost(raw: str | bytes) -> float | None:
@@ -441,10 +441,11 @@ def charged_step_cost(raw: str | bytes) -> float | None:
 
 def from_meta(job_id: str, job_due: float, raw: str | bytes) -> QueuedJob:
     """The `QueuedJob` a ``P sched:job`` entry describes."""
-    _, owner, job_class, priority, num_tokens, num_steps, deadline, model = json.loads(raw)
+    _, owner, job_class, priority, num_tokens, num_inference_steps, deadline, model = \
+        json.loads(raw)
     return QueuedJob(job_id=job_id, owner=owner, model=model, job_class=job_class,
                      priority=int(priority), due=job_due, deadline=deadline,
-                     num_tokens=int(num_tokens), num_steps=int(num_steps))
+                     num_tokens=int(num_tokens), num_inference_steps=int(num_inference_steps))
 
 
 def _text(value: str | bytes) -> str:

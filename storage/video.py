@@ -108,12 +108,12 @@ def write_thumbnail(frame: object, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def preview_png(frame: object, step: int, num_steps: int) -> bytes:
+def preview_png(frame: object, step: int, num_inference_steps: int) -> bytes:
     """One [H, W, 3] frame as PNG bytes that say which step they show
     (`storage.outputs.preview_step` reads it)."""
     rgb = to_uint8(np.asarray(frame)[None])[0]
     info = PngImagePlugin.PngInfo()
-    info.add_text(PREVIEW_STEP_KEYWORD, f"{step}/{num_steps}")
+    info.add_text(PREVIEW_STEP_KEYWORD, f"{step}/{num_inference_steps}")
     out = io.BytesIO()
     Image.fromarray(rgb).save(out, format="PNG", pnginfo=info)
     return out.getvalue()
@@ -174,12 +174,12 @@ class OutputWriter:
         self.discard(job_id)
         return keys
 
-    def preview(self, frame: object, job_id: str, step: int, num_steps: int) -> None:
+    def preview(self, frame: object, job_id: str, step: int, num_inference_steps: int) -> None:
         """A running job's preview frame (uint8 [H, W, 3]) as a PNG under `preview_key`, in
         place of the last one; raises `storage.outputs.OutputStoreError` when the store refuses
         it. Nothing is kept: the next preview replaces this one anyway."""
         key = preview_key(job_id)
-        data = preview_png(frame, step, num_steps)
+        data = preview_png(frame, step, num_inference_steps)
         try:
             self.store.put_bytes(key, data)
         except Exception as exc:

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from common.families import family_of
 from common.settings import get_settings
 from kiln.cli.options import Model
 
@@ -43,7 +44,6 @@ def plan(
     ranks (dp x sp, allgather and rank-local), from a short profile of this machine and model
     (cached; measured again when stale), and mark the best for latency and for throughput."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
-    from common.families import family_of
     from runtime.planner import JobShape, heads_of, load_or_measure, memory_table
     from runtime.planner import plan as make_plan
 

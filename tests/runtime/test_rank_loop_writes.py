@@ -228,11 +228,11 @@ class PreviewWrite:
         self.frames[job_id] = frames
         return f"videos/{job_id}.mp4", f"thumbnails/{job_id}.png"
 
-    def preview(self, frame: Any, job_id: str, step: int, num_steps: int) -> None:
+    def preview(self, frame: Any, job_id: str, step: int, num_inference_steps: int) -> None:
         if self.preview_error is not None:
             raise self.preview_error
         with self.lock:
-            self.previews.append((job_id, step, num_steps, frame))
+            self.previews.append((job_id, step, num_inference_steps, frame))
 
     def drop_preview(self, job_id: str) -> None:
         with self.lock:

@@ -157,7 +157,7 @@ def test_record_result_teaches_the_cost_model_and_corrects_the_users_charge(
     served = redis_client.hget(queue_index.served_key(redis_prefix, "interactive"), str(alice.id))
     assert served is not None and float(served) > 0
     sched.record_result(redis_client, prefix=redis_prefix, job_id=c.job.id, model="kiln-tiny",
-                        num_tokens=48, num_steps=4, render_seconds=2.0)
+                        num_tokens=48, num_inference_steps=4, render_seconds=2.0)
     served = redis_client.hget(queue_index.served_key(redis_prefix, "interactive"), str(alice.id))
     assert served is not None and abs(float(served) - 2.0) < 1e-9
     costs = sched.load_costs(redis_client, redis_prefix)

@@ -42,9 +42,9 @@ def test_a_result_recorded_at_sp2_teaches_only_the_sp2_claims(
     session: Session, redis_client: redis.Redis, redis_prefix: str,
 ) -> None:
     sched.record_result(redis_client, prefix=redis_prefix, job_id="j1", model="kiln-tiny",
-                        num_tokens=48, num_steps=4, render_seconds=2.0)
+                        num_tokens=48, num_inference_steps=4, render_seconds=2.0)
     sched.record_result(redis_client, prefix=redis_prefix, job_id="j2", model="kiln-tiny",
-                        num_tokens=48, num_steps=4, render_seconds=8.0, sp=2)
+                        num_tokens=48, num_inference_steps=4, render_seconds=8.0, sp=2)
     assert abs(sched.load_costs(redis_client, redis_prefix).step_seconds("kiln-tiny", 48)
                - 0.5) < 1e-9
     assert abs(sched.load_costs(redis_client, redis_prefix, sp=2).step_seconds("kiln-tiny", 48)

@@ -31,16 +31,16 @@ _ids = itertools.count()
 
 def job(*, owner: str = "alice", model: str = "m", job_class: str = INTERACTIVE,
         priority: int = 5, due: float = 0.0, deadline: float | None = None,
-        num_tokens: int = 100, num_steps: int = 4) -> QueuedJob:
+        num_tokens: int = 100, num_inference_steps: int = 4) -> QueuedJob:
     return QueuedJob(job_id=f"j{next(_ids)}", owner=owner, model=model, job_class=job_class,
                      priority=priority, due=due, deadline=deadline, num_tokens=num_tokens,
-                     num_steps=num_steps)
+                     num_inference_steps=num_inference_steps)
 
 
 job_st = st.builds(
     lambda owner, model, cls, prio, due, dl, tok, steps: job(
         owner=owner, model=model, job_class=cls, priority=prio, due=due,
-        deadline=None if dl is None else due + dl, num_tokens=tok, num_steps=steps),
+        deadline=None if dl is None else due + dl, num_tokens=tok, num_inference_steps=steps),
     st.sampled_from(["alice", "bob", "carol"]), st.sampled_from(["m", "n"]),
     st.sampled_from([INTERACTIVE, BATCH]), st.integers(0, 9), st.integers(0, 50).map(float),
     st.one_of(st.none(), st.integers(1, 60).map(float)), st.sampled_from([48, 192, 768]),
@@ -338,11 +338,11 @@ def test_grouping_never_overrides_priority() -> None:
 
 def test_results_teach_the_cost_model_and_replace_the_estimated_charge() -> None:
     policy = Policy()
-    a = job(num_tokens=100, num_steps=4)
+    a = job(num_tokens=100, num_inference_steps=4)
     policy.add(a)
     policy.schedule([0], model="m", now=1.0)
     policy.update_from_output([JobResult(job_id=a.job_id, model="m", num_tokens=100,
-                                         num_steps=4, render_seconds=8.0)])
+                                         num_inference_steps=4, render_seconds=8.0)])
     assert policy.served(INTERACTIVE, "alice") == pytest.approx(8.0)
     assert policy.costs.step_seconds("m", 100) == pytest.approx(2.0)
 

@@ -25,7 +25,7 @@ OWNERS = [str(i) for i in range(10)]
 
 def queued(owner: str, job_class: str, priority: int, due: float, num_tokens: int) -> QueuedJob:
     return QueuedJob(job_id=f"j{next(_seq)}", owner=owner, model="m", job_class=job_class,
-                     priority=priority, due=due, num_tokens=num_tokens, num_steps=4)
+                     priority=priority, due=due, num_tokens=num_tokens, num_inference_steps=4)
 
 
 jobs_st = st.lists(
@@ -131,9 +131,9 @@ def test_a_user_returning_to_a_class_starts_at_its_virtual_time(
     redis_client: redis.Redis, redis_prefix: str,
 ) -> None:
     queue_index.charge(redis_client, redis_prefix, job_id="x", job_class=BATCH, owner="heavy",
-                       cost_per_step=10.0, num_steps=1, ttl_seconds=60)
+                       cost_per_step=10.0, num_inference_steps=1, ttl_seconds=60)
     queue_index.charge(redis_client, redis_prefix, job_id="y", job_class=BATCH, owner="heavy",
-                       cost_per_step=10.0, num_steps=1, ttl_seconds=60)
+                       cost_per_step=10.0, num_inference_steps=1, ttl_seconds=60)
     # The second pick was made at service 10: that is the class's virtual time now.
     queue_index.add(redis_client, redis_prefix, [queued("new", BATCH, 5, 1.0, 48)])
     assert float(redis_client.hget(queue_index.served_key(redis_prefix, BATCH), "new")) == 10.0

@@ -14,7 +14,7 @@ def test_waves_of_equal_jobs_take_steps_times_step_cost_per_wave() -> None:
     jobs = workload(4, [SMALL], seed=0, mean_gap=None)
     out = simulate_waves(jobs, 2, TIMING, idle=0.0)
     pairs = [jobs[0:2], jobs[2:4]]
-    assert out.makespan == sum(max(j.num_steps for j in p) for p in pairs)
+    assert out.makespan == sum(max(j.num_inference_steps for j in p) for p in pairs)
     assert len(out.waits) == 4
 
 
