@@ -46,7 +46,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,11 +59,13 @@ from typing import Any
 
 import httpx
 import psutil
-import redis
 from sqlalchemy import make_url, select
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the fault servers the fault tests use
+
+from faults import PrivateRedis, TcpProxy  # noqa: E402
 
 from bench.service_latency import KILN, fresh_database  # noqa: E402
 from common.procs import free_port, stop_group  # noqa: E402
@@ -91,118 +92,6 @@ def log(message: str) -> None:
 
 
 # ---- the servers and processes the faults are done to ------------------------------------------
-
-class RedisServer:
-    """A private ``redis-server`` on a free port, without persistence: `kill` ends it at once,
-    `start` brings it back, empty, on the same port."""
-
-    def __init__(self, workdir: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("the chaos soak needs redis-server on PATH")
-        self.binary = binary
-        self.workdir = workdir
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        with redis.Redis.from_url(self.url, socket_timeout=1) as client:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.RedisError:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError("the private Redis did not start") from None
-                    time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
-class TcpProxy:
-    """127.0.0.1:``port`` forwarded to ``target``. `refuse` closes the listening socket and cuts
-    every forwarded connection (what clients of a server that went down see); `accept` listens
-    again on the same port."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.port = free_port()
-        self._lock = threading.Lock()
-        self._open: set[socket.socket] = set()
-        self._listener: socket.socket | None = None
-
-    @property
-    def accepting(self) -> bool:
-        return self._listener is not None
-
-    def accept(self) -> None:
-        listener = socket.create_server(("127.0.0.1", self.port))  # SO_REUSEADDR: at once
-        listener.settimeout(0.05)
-        self._listener = listener
-        threading.Thread(target=self._serve, args=(listener,), daemon=True).start()
-
-    def refuse(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.close()
-        time.sleep(0.1)  # the accept loop sees it is closed
-        with self._lock:
-            doomed, self._open = self._open, set()
-        for sock in doomed:
-            _close(sock)
-
-    def _serve(self, listener: socket.socket) -> None:
-        while self._listener is listener:
-            try:
-                client, _ = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed by refuse()
-                return
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                _close(client)
-                continue
-            client.settimeout(None)
-            upstream.settimeout(None)
-            with self._lock:
-                self._open.update((client, upstream))
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with self._lock:
-                self._open.difference_update((src, dst))
-            _close(src)
-            _close(dst)
-
-
-def _close(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
-
 
 class Child:
     """One ``kiln`` command in a process group of its own, its output appended to a log file.
@@ -281,9 +170,11 @@ class Soak:
         self.sessions = make_session_factory(self.engine)
         self.rec = Record()
         self.stop = threading.Event()
-        self.redis = RedisServer(tmp / "redis")
+        if shutil.which("redis-server") is None:
+            raise SystemExit("the chaos soak needs redis-server on PATH")
+        self.redis = PrivateRedis(tmp / "redis")
         url = make_url(db_url)
-        self.proxy = TcpProxy((url.host or "127.0.0.1", url.port or 5432))
+        self.proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
         proxied = url.set(host="127.0.0.1", port=self.proxy.port)
         self.api_port = free_port()
         self.api_url = f"http://127.0.0.1:{self.api_port}"
@@ -377,8 +268,10 @@ class Soak:
         self.celery.stop()
         self.api.stop()
         self.http.close()
-        self.redis.kill()
-        self.proxy.refuse()
+        if self.redis.proc is not None:
+            self.redis.kill()
+        if self.proxy.accepting:
+            self.proxy.refuse()
         self.engine.dispose()
 
     def leftovers(self) -> list[str]:

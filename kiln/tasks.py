@@ -17,6 +17,7 @@ Run it with ``kiln celery`` (worker with embedded beat), or ``kiln celery worker
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -617,6 +618,10 @@ def enqueue_job_finished(session: Session, job_id: str) -> bool:
     except Exception:  # any failure: broker, network, database; the sweeper is the safety net
         log.warning("could not enqueue the webhook of job %s; the sweeper will send it", job_id,
                     exc_info=True)
+        # A failed read leaves the caller's session in a failed transaction; the caller's own
+        # work was committed before this call, so rolling back loses nothing.
+        with contextlib.suppress(Exception):
+            session.rollback()
         return False
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from redis import Redis, RedisError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from common.families import family_of
@@ -523,7 +524,13 @@ class Coordinator:
         """Teach the batcher this job's real cost (its rank's own step time, not lock-step
         wall time, which includes waiting for slower ranks), at this group's layout: a step
         split over sp ranks costs otherwise than one on a single rank."""
-        job = session.get(Job, st.job_id)
+        try:
+            job = session.get(Job, st.job_id)
+        except SQLAlchemyError as exc:  # best effort: the next jobs teach the cost as well
+            session.rollback()
+            log.warning("could not learn the cost of job %s: %s", st.job_id,
+                        describe(exc) if is_outage(exc) else repr(exc))
+            return
         if job is None:
             return
         try:
@@ -800,15 +807,16 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
     crashed = {layout.leader(r) for r in crashed}
     sessions = make_session_factory(make_engine(settings.database_url))
     redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
-    charged = 0
-    try:
+    charged: set[str] = set()
+
+    def end_attempts() -> None:
         with sessions() as session:
             held = queries.running_jobs_by_group(session, [group_id]).get(group_id, [])
             for job in held:
                 if job.attempt_token is None:
                     continue
                 if job.rank in crashed:
-                    charged += 1
+                    charged.add(job.id)
                     ending = Ending(outcome="failed", error=f"its rank ({job.rank}) crashed "
                                     "while rendering it", code="rank_crashed", retryable=True)
                 else:
@@ -821,16 +829,32 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
                 job_log("recovered", job=job.id, attempt=job.attempts, rank=job.rank,
                         state=state, charged=ending.charged, error=ending.error)
             workers.mark_stopped(session, group_id, reason=str(failure).splitlines()[0][:500])
-    except Exception as exc:
-        if not is_outage(exc):
-            raise
-        # The leases lapse and the reaper ends these attempts (charged) instead.
-        log.warning("could not end the attempts of group %s: %s", group_id, describe(exc))
+
+    # A server that is out is waited for (each try ends only the attempts still running, by
+    # their tokens), until the leases would lapse anyway: then the reaper ends them, charged.
+    give_up = time.monotonic() + settings.lease_seconds
+    wait = 1.0
+    try:
+        while True:
+            try:
+                end_attempts()
+                break
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                if time.monotonic() + wait > give_up:
+                    log.warning("could not end the attempts of group %s: %s; their leases "
+                                "lapse and the reaper ends them", group_id, describe(exc))
+                    break
+                log.warning("could not end the attempts of group %s yet: %s; trying again in "
+                            "%.0f s", group_id, describe(exc), wait)
+                time.sleep(wait)
+                wait = min(2 * wait, 5.0)
     finally:
         if redis is not None:
             redis.close()
         sessions.kw["bind"].dispose()
-    return charged
+    return len(charged)
 
 
 def _enqueue_job_finished(session: Session, job_id: str) -> object:

@@ -99,6 +99,10 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def accepting(self) -> bool:
+        return self._listener is not None
+
     def accept(self) -> None:
         assert self._listener is None, "already accepting"
         # create_server sets SO_REUSEADDR: the port is free again at once after `refuse`.
