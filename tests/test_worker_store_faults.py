@@ -1,19 +1,24 @@
 """A failed output write retries the store, never the render: with real worker processes and
-the real API, an output directory that refuses files for ~10 s pauses the group (degraded, with
-the store's reason) while it keeps the finished jobs and their leases, and every job is stored
-and succeeds once, rendered once; a group stopped while the store still fails hands its kept
-jobs back uncharged, and nothing half-written is ever left under a final name."""
+the real API, an output directory that refuses files for ~10 s, or a real file system that is
+full (ENOSPC) for as long, pauses the group (degraded, with the store's reason) while it keeps
+the finished jobs and their leases, and every job is stored and succeeds once, rendered once; a
+group stopped while the store still fails hands its kept jobs back uncharged, and nothing
+half-written is ever left under a final name."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from servers import Service, serving_api, worker_group
 from sqlalchemy import select
 
@@ -103,24 +108,67 @@ def _no_partial_files(outputs: Path) -> None:
     assert leftovers == []
 
 
-def test_an_output_directory_refusing_files_for_10_s_pauses_the_group_and_nothing_renders_twice(
-        db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
-    outputs = tmp_path / "outs" / "outputs"
+def _fill_disk(outputs: Path) -> Callable[[], None]:
+    """Fills the (small) file system the output directory is on with one file, so every write
+    there fails with ENOSPC, until the returned function deletes it."""
+    filler = outputs.parent / "filler"
+    with open(filler, "wb", buffering=0) as f:  # unbuffered: nothing left to flush on close
+        try:
+            while True:
+                f.write(bytes(1 << 16))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    assert os.statvfs(outputs).f_bavail == 0
+    return filler.unlink
+
+
+@contextlib.contextmanager
+def _small_disk(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` (needs root, as in CI): a real disk to fill.
+    Skipped where mounting is not permitted, but under CI (``CI`` set) that fails instead."""
+    where.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                                  str(where)], capture_output=True, text=True)
+        why = mounted.stderr.strip() or f"mount exited with {mounted.returncode}"
+    except FileNotFoundError:
+        mounted, why = None, "no mount command"
+    if mounted is None or mounted.returncode != 0:
+        message = f"cannot mount a tmpfs to fill for a full-disk test: {why}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)]).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(where)], check=True)
+
+
+def _store_out_for_10_s(db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path,
+                        outputs: Path, fault: Callable[[Path], Callable[[], None]], why: str,
+                        **overrides: Any) -> None:
+    """Ten jobs on a dp=2 group; once two are stored, ``fault(outputs)`` makes the store fail
+    for FAULT seconds (until the function it returns is called): the group holds what it
+    rendered, claims nothing and says so (its reason names ``why``), and afterwards every job is
+    stored and succeeds, rendered once. ``overrides``: more settings, for the API and the
+    group."""
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",),
-                     output_dir=outputs, lease_seconds=LEASE) as service, \
-            worker_group(service, dp=2, lease_seconds=LEASE) as group, _client(service) as client:
+                     output_dir=outputs, lease_seconds=LEASE, **overrides) as service, \
+            worker_group(service, dp=2, lease_seconds=LEASE, **overrides) as group, \
+            _client(service) as client:
         reaper = Context(settings=service.settings, sessions=db.session,  # type: ignore[arg-type]
                          redis=redis_client, store=service.store)
         ids = _submit(client, 10, 40, "fault")
         _until(lambda: list(_states(service, ids).values()).count("succeeded") >= 2, 60, group)
 
-        restore = _refuse_files(outputs)
+        restore = fault(outputs)
         try:
             refused = time.monotonic()
             degraded = _until(lambda: (g := _group(client))["state"] == "degraded" and g, 15,
                               group)
             assert degraded["reason"].startswith("the output store is failing (rank ")
-            assert "could not store" in degraded["reason"]
+            assert "could not store" in degraded["reason"] and why in degraded["reason"]
             # From here on the group claims nothing; the finished jobs wait, their leases kept.
             started = {j for j, s in _states(service, ids).items() if s != "queued"}
             while time.monotonic() - refused < FAULT:
@@ -160,6 +208,21 @@ def test_an_output_directory_refusing_files_for_10_s_pauses_the_group_and_nothin
             served.write_bytes(r.content)
             assert read_video(served).shape == (9, 64, 64, 3)
         _no_partial_files(outputs)
+
+
+def test_an_output_directory_refusing_files_for_10_s_pauses_the_group_and_nothing_renders_twice(
+        db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
+    _store_out_for_10_s(db, redis_client, redis_prefix, tmp_path, tmp_path / "outs" / "outputs",
+                        _refuse_files, "could not store")
+
+
+def test_a_full_output_disk_for_10_s_pauses_the_group_and_nothing_renders_twice(
+        db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
+    # ENOSPC from a real file system, filled. No previews: a job that ends deletes its preview,
+    # and the pages that frees would let a small file through while the disk is meant full.
+    with _small_disk(tmp_path / "disk", "16m") as disk:
+        _store_out_for_10_s(db, redis_client, redis_prefix, tmp_path, disk / "outputs",
+                            _fill_disk, "No space left on device", preview_every_steps=0)
 
 
 def test_a_group_stopped_while_the_store_fails_hands_its_finished_job_back_uncharged(
