@@ -4,6 +4,7 @@ charged for the outage, and the queue moves again by itself once the server is b
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,8 @@ def _group_state(client: httpx.Client, state: str, timeout: float = 10) -> str |
 
 def _rendered_once_and_uncharged(rows: list[Job]) -> None:
     assert {r.state for r in rows} == {"succeeded"}, [(r.id, r.state, r.error) for r in rows]
-    assert all(r.attempts == 1 for r in rows), [(r.id, r.attempts) for r in rows]
+    assert all((r.attempts, r.uncharged_attempts) == (1, 0) for r in rows), [
+        (r.id, r.attempts, r.uncharged_attempts) for r in rows]
 
 
 def test_redis_killed_for_10_s_and_back_empty_the_group_carries_on(
@@ -93,30 +95,73 @@ def test_redis_killed_for_10_s_and_back_empty_the_group_carries_on(
         assert _group_state(client, "ready") is None
 
 
+def _until(what: Any, timeout: float, group: Any) -> float:
+    """Waits until ``what()``; the seconds it took."""
+    began = time.monotonic()
+    while not what():
+        assert group.poll() is None, f"the worker group exited with {group.returncode}"
+        assert time.monotonic() - began < timeout, "timed out"
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
 def test_the_database_refusing_connections_for_30_s_pauses_the_group_then_it_resumes(
-        db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
+        db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path,
+        capfd: pytest.CaptureFixture[str]) -> None:
     if db.backend != "postgresql":
         pytest.skip("a SQLite file cannot refuse connections")
     url = make_url(db.url)
+    # The API marks a group stale once it has not reported for this long (60 s by default,
+    # longer than the outage).
+    stale = 10
     with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy, \
-            serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \
+            serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",),
+                        worker_stale_seconds=stale) as service, \
             api_client(service) as client:
         proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(
             hide_password=False)
         # The worker reaches the database through the proxy; the API (on the test's own
         # engine) does not, so the jobs can be followed throughout.
         with worker_group(service, dp=2, database_url=proxied) as group:
+            [group_id] = [g["id"] for g in client.get("/v1/workers").json()["data"]]
             ids = _submit(client, 6, 200, "outage", size=128)
-            deadline = time.monotonic() + 60
-            while not any(r.state == "succeeded" for r in _rows(service, ids)):
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            _until(lambda: any(r.state == "succeeded" for r in _rows(service, ids)), 60, group)
             proxy.refuse()
-            time.sleep(30)
+            refused = time.monotonic()
+            seen = []
+            while time.monotonic() - refused < 30:
+                r = client.get("/v1/workers")
+                assert r.status_code == 200, r.text  # the API's own database path is up
+                [shown] = r.json()["data"]
+                seen.append((round(time.monotonic() - refused), shown["state"], shown["stale"]))
+                time.sleep(1)
             assert group.poll() is None, "the group survived the outage"
+            # The group says it is degraded through the database it has lost, so /v1/workers
+            # cannot show that while the outage lasts: it shows the group's last report going
+            # stale. The group's own log names the database and says the claims pause.
+            assert seen[-1][2] is True, seen
+            log = capfd.readouterr().err
+            sys.stderr.write(log)  # still shown if the test fails
+            assert f"worker group {group_id}: the database is unreachable (" in log, log[-2000:]
+            assert "claims pause" in log
+            frozen = {r.id: (r.state, r.progress_step) for r in _rows(service, ids)}
+            waiting = [j for j, (state, _) in frozen.items() if state == "queued"]
+            assert waiting, "the outage held claims back"
             proxy.accept()
             back = time.monotonic()
+            # The queue moves again by itself: steps and final transitions land, then claims.
+            assert _until(lambda: {r.id: (r.state, r.progress_step)
+                                   for r in _rows(service, ids)} != frozen,
+                          RECOVERY, group) < RECOVERY
+            assert _until(lambda: any(r.state != "queued" for r in _rows(service, waiting)),
+                          RECOVERY, group) < RECOVERY
             rows = _wait_all(service, ids, group, timeout=RECOVERY + 30)
             # Six jobs of ~2 s each on two ranks: most of the recovery window is rendering.
             assert time.monotonic() - back < RECOVERY + 30
+            assert _group_state(client, "ready") is None
+            [shown] = client.get("/v1/workers").json()["data"]
+            assert shown["stale"] is False
+            log = capfd.readouterr().err
+            sys.stderr.write(log)
+            assert f"worker group {group_id}: the servers answer again; claims resume" in log
         _rendered_once_and_uncharged(rows)
