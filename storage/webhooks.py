@@ -105,19 +105,26 @@ def begin_attempt(session: Session, job_id: str, *, hold_seconds: float,
             session.commit()
         except IntegrityError:
             session.rollback()  # a concurrent attempt made the row first; the UPDATE decides
-    row = session.execute(
-        update(WebhookDelivery)
+    number = _take_attempt(
+        session, update(WebhookDelivery)
         .where(WebhookDelivery.job_id == job_id, WebhookDelivery.state == PENDING,
                WebhookDelivery.next_attempt_at <= now)
         .values(attempts=WebhookDelivery.attempts + 1,
                 next_attempt_at=now + timedelta(seconds=hold_seconds))
-        .returning(WebhookDelivery.attempts)
-    ).one_or_none()
+        .returning(WebhookDelivery.attempts))
+    return None if number is None else Attempt(job=job, number=number)
+
+
+def _take_attempt(session: Session, take: Any) -> int | None:
+    """Runs ``take``, a guarded UPDATE that counts an attempt and returns the count, and commits:
+    the attempt's number, or None (rolled back) when the guard let nothing through, so at most
+    one caller takes each attempt."""
+    row = session.execute(take).one_or_none()
     if row is None:
         session.rollback()
         return None
     session.commit()
-    return Attempt(job=job, number=int(row[0]))
+    return int(row[0])
 
 
 def record_result(session: Session, job_id: str, number: int, *, delivered: bool,
@@ -227,21 +234,18 @@ def begin_batch_attempt(session: Session, batch_id: str, *, hold_seconds: float,
     """Takes the next attempt at the batch's batch.completed and commits; None when none is due
     now (not owed, settled, due later, or running elsewhere)."""
     now = now or utcnow()
-    row = session.execute(
-        update(Batch)
+    number = _take_attempt(
+        session, update(Batch)
         .where(Batch.id == batch_id, Batch.webhook_state == PENDING,
                Batch.webhook_next_attempt_at <= now)
         .values(webhook_attempts=Batch.webhook_attempts + 1,
                 webhook_next_attempt_at=now + timedelta(seconds=hold_seconds))
-        .returning(Batch.webhook_attempts)
-    ).one_or_none()
-    if row is None:
-        session.rollback()
+        .returning(Batch.webhook_attempts))
+    if number is None:
         return None
-    session.commit()
     batch = session.scalars(select(Batch).where(Batch.id == batch_id)
                             .execution_options(populate_existing=True)).one()
-    return BatchAttempt(batch=batch, number=int(row[0]))
+    return BatchAttempt(batch=batch, number=number)
 
 
 def settle_batch_attempt(session: Session, batch_id: str, number: int, state: str, *,
