@@ -59,8 +59,12 @@ def browser() -> Iterator[Any]:
 
 
 def _wait(driver: Any, what: str, condition: Any, timeout: float = 60) -> Any:
+    """``condition`` once it holds. Live updates redraw the tables, so an element found may be
+    gone by the next call: that is asked again, not a failure."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(
+    return WebDriverWait(driver, timeout, poll_frequency=0.1,
+                         ignored_exceptions=(StaleElementReferenceException,)).until(
         condition, message=f"waiting for {what}")
 
 
@@ -178,10 +182,9 @@ def test_dashboard_in_a_browser_submits_watches_plays_and_cancels(
         # The state filter shows only what it names.
         Select(browser.find_element(By.CSS_SELECTOR, '#filters select[name="status"]')) \
             .select_by_visible_text("cancelled")
-        _wait(browser, "the filtered table", lambda d: [
-            r.get_attribute("data-job") for r in d.find_elements(By.CSS_SELECTOR,
-                                                                 "#jobs tr[data-job]")]
-            == [long_job])
+        _wait(browser, "the filtered table", lambda d: d.execute_script(
+            "return [...document.querySelectorAll('#jobs tr[data-job]')]"
+            ".map((r) => r.dataset.job);") == [long_job])
 
         # A small batch for its report page, then the overview, workers and batch views.
         batch = httpx.post(f"{base}/v1/batches", headers=headers, timeout=30, json={
