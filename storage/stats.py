@@ -3,7 +3,7 @@ replica reports the same numbers whichever process did the work."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
@@ -84,7 +84,7 @@ def throughput_since(session: Session, since: datetime, now: datetime,
     count = int(count or 0)
     if not count:
         return 0, None
-    start = max(since, _aware(first_start)) if first_start is not None else since
+    start = max(since, first_start) if first_start is not None else since
     hours = max((now - start).total_seconds(), 60.0) / 3600  # a minute at least
     return count, count / hours
 
@@ -101,7 +101,3 @@ def recent_failures(session: Session, since: datetime, owner_id: int | None = No
                                 .order_by(Job.finished_at.desc()).limit(limit)))
     return total, rows
 
-
-def _aware(at: datetime) -> datetime:
-    """SQLite hands datetimes back naive; they are UTC."""
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)

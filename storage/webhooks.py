@@ -105,26 +105,26 @@ def begin_attempt(session: Session, job_id: str, *, hold_seconds: float,
             session.commit()
         except IntegrityError:
             session.rollback()  # a concurrent attempt made the row first; the UPDATE decides
-    number = _take_attempt(
+    number = _guarded(
         session, update(WebhookDelivery)
         .where(WebhookDelivery.job_id == job_id, WebhookDelivery.state == PENDING,
                WebhookDelivery.next_attempt_at <= now)
         .values(attempts=WebhookDelivery.attempts + 1,
                 next_attempt_at=now + timedelta(seconds=hold_seconds))
         .returning(WebhookDelivery.attempts))
-    return None if number is None else Attempt(job=job, number=number)
+    return None if number is None else Attempt(job=job, number=int(number))
 
 
-def _take_attempt(session: Session, take: Any) -> int | None:
-    """Runs ``take``, a guarded UPDATE that counts an attempt and returns the count, and commits:
-    the attempt's number, or None (rolled back) when the guard let nothing through, so at most
-    one caller takes each attempt."""
-    row = session.execute(take).one_or_none()
+def _guarded(session: Session, change: Any) -> Any:
+    """Runs ``change``, an UPDATE guarded by the outbox state it expects and RETURNING one
+    column, and commits: that column's new value, or None (rolled back) when the guard let
+    nothing through. So at most one caller takes each attempt or settles it."""
+    row = session.execute(change).one_or_none()
     if row is None:
         session.rollback()
         return None
     session.commit()
-    return int(row[0])
+    return row[0]
 
 
 def record_result(session: Session, job_id: str, number: int, *, delivered: bool,
@@ -141,18 +141,13 @@ def record_result(session: Session, job_id: str, number: int, *, delivered: bool
         values = dict(state=PENDING, next_attempt_at=retry_at, last_error=error)
     else:
         values = dict(state=FAILED, finished_at=now, last_error=error)
-    result = session.execute(
-        update(WebhookDelivery)
+    state = _guarded(
+        session, update(WebhookDelivery)
         .where(WebhookDelivery.job_id == job_id, WebhookDelivery.state == PENDING,
                WebhookDelivery.attempts == number)
         .values(last_status=status, **values)
-        .returning(WebhookDelivery.state)
-    ).one_or_none()
-    if result is None:
-        session.rollback()
-        return None
-    session.commit()
-    return str(result[0])
+        .returning(WebhookDelivery.state))
+    return None if state is None else str(state)
 
 
 def settle_unwanted(session: Session, job_id: str, number: int, *,
@@ -234,7 +229,7 @@ def begin_batch_attempt(session: Session, batch_id: str, *, hold_seconds: float,
     """Takes the next attempt at the batch's batch.completed and commits; None when none is due
     now (not owed, settled, due later, or running elsewhere)."""
     now = now or utcnow()
-    number = _take_attempt(
+    number = _guarded(
         session, update(Batch)
         .where(Batch.id == batch_id, Batch.webhook_state == PENDING,
                Batch.webhook_next_attempt_at <= now)
@@ -245,7 +240,7 @@ def begin_batch_attempt(session: Session, batch_id: str, *, hold_seconds: float,
         return None
     batch = session.scalars(select(Batch).where(Batch.id == batch_id)
                             .execution_options(populate_existing=True)).one()
-    return BatchAttempt(batch=batch, number=number)
+    return BatchAttempt(batch=batch, number=int(number))
 
 
 def settle_batch_attempt(session: Session, batch_id: str, number: int, state: str, *,
@@ -255,18 +250,13 @@ def settle_batch_attempt(session: Session, batch_id: str, number: int, state: st
     values: dict[str, object] = {"webhook_state": state}
     if retry_at is not None:
         values["webhook_next_attempt_at"] = retry_at
-    result = session.execute(
-        update(Batch)
+    settled = _guarded(
+        session, update(Batch)
         .where(Batch.id == batch_id, Batch.webhook_state == PENDING,
                Batch.webhook_attempts == number)
         .values(**values)
-        .returning(Batch.webhook_state)
-    ).one_or_none()
-    if result is None:
-        session.rollback()
-        return None
-    session.commit()
-    return str(result[0])
+        .returning(Batch.webhook_state))
+    return None if settled is None else str(settled)
 
 
 def owed_batches(session: Session, *, now: datetime | None = None,

@@ -99,7 +99,7 @@ def summary(request: Request, user: CurrentUser, session: SessionDep) -> Summary
         jobs_by_class=by_class, videos_last_hour=last_hour,
         videos_per_hour=rate, api_started_at=started, videos_since_start=since_start,
         videos_per_hour_since_start=rate_since_start, queue_depth=depth,
-        queue_eta_seconds=(3600 * depth / rate) if rate and depth else (0.0 if rate else None),
+        queue_eta_seconds=3600 * depth / rate if rate else None,
         failures_last_hour=failed,
         recent_failures=[Failure(id=j.id, status=j.state, model=j.model, error=j.error,
                                  error_code=j.error_code, finished_at=j.finished_at)
