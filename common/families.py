@@ -44,7 +44,7 @@ class Family:
     pipeline: str | None
     defaults: RequestDefaults  # what a request gets for the fields it leaves out
     size_multiple: int  # width and height are multiples of this
-    frame_stride: int  # the family renders 1 + k * frame_stride frames
+    frame_stride: int  # the family renders frame_base + k * frame_stride frames
     patch_size: tuple[int, int, int]  # the transformer's patch: (frames, height, width)
     vae_scale_factor_spatial: int  # pixels per latent pixel, along height and width
     vae_scale_factor_temporal: int  # frames per latent frame, after the first (a causal VAE)
@@ -54,6 +54,14 @@ class Family:
     # Whether its pipeline offers a preview frame while a job runs (the pipeline's
     # ``can_preview``, known here without torch for the job page).
     previews: bool = False
+    # Whether its pipeline splits one job's token sequence over a replica's ranks (sp > 1).
+    sequence_parallel: bool = False
+    # A clip has frame_base + k * frame_stride frames, between min_frames and max_frames: 1 + 4k
+    # for the causal VAEs (the first frame alone, then 4 per latent frame); MiniMax-H3's VAE
+    # encodes clips of 17 frames into 5 latents plus two, so 5 + 17k, from 5 s to 15 s.
+    frame_base: int = 1
+    min_frames: int = 1
+    max_frames: int | None = None
 
 
 # kiln-tiny (``runtime.models.tiny.TinyConfig``): spatial_compression 8 times patch_size 2, and
@@ -69,6 +77,7 @@ TINY = Family(
     # 2-core machine (one rank of `--dp 2`), a sixth of the default lease; see Settings.
     max_tokens=16_384,
     previews=True,
+    sequence_parallel=True,
 )
 # Wan2.1 and Wan2.2 T2V: ``WanPipeline.__call__``'s defaults (832x480, 81 frames, 50 steps,
 # guidance 5) at the 16 fps of its examples; ``check_inputs`` wants sizes divisible by 16;
@@ -81,6 +90,7 @@ WAN = Family(
     size_multiple=16, frame_stride=4, patch_size=(1, 2, 2),
     vae_scale_factor_spatial=8, vae_scale_factor_temporal=4,
     max_tokens=75_600,  # its largest released setting: 1280x720, 81 frames
+    sequence_parallel=True,
 )
 # CogVideoX: ``CogVideoXPipeline.__call__``'s defaults (the transformer's sample size 90x60
 # latents times the VAE's 8: 720x480; 49 frames, 50 steps, guidance 6) at the 8 fps of its
@@ -95,6 +105,34 @@ COGVIDEOX = Family(
     vae_scale_factor_spatial=8, vae_scale_factor_temporal=4,
     max_tokens=85_680,  # CogVideoX1.5's 1360x768, 81 frames, counted without its time patch
 )
+# Cosmos3 (Nano, Super): ``Cosmos3OmniPipeline.__call__``'s defaults (1280x720, 189 frames at 24
+# fps, 35 steps, guidance 6); ``check_inputs`` wants sizes divisible by the VAE's 16 (Wan2.2's
+# VAE: 16 in space, 4 in time); ``Cosmos3OmniTransformer`` patches 2x2 and pads an odd latent
+# size to whole patches, so 16 is the multiple. The prompt's own tokens (a hundred or so) ride
+# in the same sequence and are not counted.
+COSMOS3 = Family(
+    name="cosmos3", diffusers_classes=("Cosmos3OmniPipeline",), pipeline="Cosmos3VideoPipeline",
+    defaults=RequestDefaults(width=1280, height=720, num_frames=189, fps=24,
+                             num_inference_steps=35, guidance_scale=6.0),
+    size_multiple=16, frame_stride=4, patch_size=(1, 2, 2),
+    vae_scale_factor_spatial=16, vae_scale_factor_temporal=4,
+    max_tokens=44_160,  # its default: 48 latent frames x 23 x 40 patches
+)
+# MiniMax-H3: its modular pipeline's defaults (the 16:9 canvas of 1344x768, 124 frames: 5 s at
+# its fixed 24 fps; 50 steps, which run 49 forwards); guidance-distilled, so it takes no guidance
+# scale and no negative prompt (one forward per step). Sizes are multiples of the VAE's 16 times
+# the 2x2 patch; clips are 17n + 5 frames from 5 s to 15 s (124 to 345). Its VAE makes 5n + 2
+# latent frames of 17n + 5, about 1 in 3.4, so the 4 here makes `tokens` a slight underestimate
+# (31 latent frames for 124, not 37); the soundtrack's rows (80 a second) are not counted.
+MINIMAX_H3 = Family(
+    name="minimax-h3", diffusers_classes=("MiniMaxH3ModularPipeline",),
+    pipeline="MiniMaxH3VideoPipeline",
+    defaults=RequestDefaults(width=1344, height=768, num_frames=124, fps=24,
+                             num_inference_steps=50, guidance_scale=1.0),
+    size_multiple=32, frame_stride=17, frame_base=5, min_frames=124, max_frames=345,
+    patch_size=(1, 2, 2), vae_scale_factor_spatial=16, vae_scale_factor_temporal=4,
+    max_tokens=87_696,  # its longest clip, 345 frames, on the default canvas (as counted here)
+)
 # Anything else: no pipeline; defaults small enough to finish on a CPU, large enough to see; the
 # geometry of a typical video DiT (a causal VAE of 4x8x8, patch 1x2x2) for its cost.
 GENERIC = Family(
@@ -106,22 +144,36 @@ GENERIC = Family(
     max_tokens=16_384,
 )
 
-FAMILIES = (TINY, WAN, COGVIDEOX)
+FAMILIES = (TINY, WAN, COGVIDEOX, COSMOS3, MINIMAX_H3)
 _BY_DIFFUSERS_CLASS = {c: f for f in FAMILIES for c in f.diffusers_classes}
 
 
 @functools.cache
 def family_of(model: str) -> Family:
     """The family of ``model``: kiln-tiny by name, a diffusers model directory by the pipeline
-    class its ``model_index.json`` names; `GENERIC` for anything else."""
+    class its index (`model_index_path`) names; `GENERIC` for anything else."""
     if model == TINY_MODEL:
         return TINY
+    path = model_index_path(model)
     try:
-        index = json.loads((Path(model) / "model_index.json").read_text())
+        index = json.loads(path.read_text()) if path is not None else None
     except (OSError, ValueError):
         return GENERIC
     name = index.get("_class_name") if isinstance(index, dict) else None
     return _BY_DIFFUSERS_CLASS.get(name, GENERIC) if isinstance(name, str) else GENERIC
+
+
+#: The index files of a diffusers model directory: a pipeline's, and a modular pipeline's
+#: (MiniMax-H3 ships only the second).
+MODEL_INDEX_FILES = ("model_index.json", "modular_model_index.json")
+
+
+def model_index_path(model: str) -> Path | None:
+    """The index file of the diffusers model directory ``model``, if it has one."""
+    for name in MODEL_INDEX_FILES:
+        if (Path(model) / name).is_file():
+            return Path(model) / name
+    return None
 
 
 def latent_shape(width: int, height: int, num_frames: int, *,
@@ -186,7 +238,21 @@ def _cogvideox_geometry(model: str, family: Family) -> dict[str, Any]:
             "patch_size": (_int(transformer.get("patch_size_t"), 1), patch, patch)}
 
 
-_GEOMETRY = {WAN.name: _wan_geometry, COGVIDEOX.name: _cogvideox_geometry}
+def _cosmos3_geometry(model: str, family: Family) -> dict[str, Any]:
+    # ``Cosmos3OmniPipeline``: the VAE's scale_factor_spatial and scale_factor_temporal (sizes
+    # are multiples of the first: the transformer pads a partial patch); the transformer's
+    # latent_patch_size, in space only.
+    vae, transformer = _config(model, "vae"), _config(model, "transformer")
+    spatial = _int(vae.get("scale_factor_spatial"), family.vae_scale_factor_spatial)
+    patch = _int(transformer.get("latent_patch_size"), family.patch_size[1])
+    return {"vae_scale_factor_spatial": spatial,
+            "vae_scale_factor_temporal": _int(vae.get("scale_factor_temporal"),
+                                              family.vae_scale_factor_temporal),
+            "patch_size": (1, patch, patch), "size_multiple": max(family.size_multiple, spatial)}
+
+
+_GEOMETRY = {WAN.name: _wan_geometry, COGVIDEOX.name: _cogvideox_geometry,
+             COSMOS3.name: _cosmos3_geometry}
 
 
 @functools.cache
@@ -203,5 +269,6 @@ def checkpoint_family(model: str) -> Family:
     geometry = read(model, family)
     spatial = geometry["vae_scale_factor_spatial"]
     _, ph, pw = geometry["patch_size"]
-    return replace(family, **geometry, frame_stride=geometry["vae_scale_factor_temporal"],
-                   size_multiple=max(family.size_multiple, spatial * max(ph, pw)))
+    # A family whose transformer pads partial patches says its own multiple.
+    geometry.setdefault("size_multiple", max(family.size_multiple, spatial * max(ph, pw)))
+    return replace(family, **geometry, frame_stride=geometry["vae_scale_factor_temporal"])

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import torch
 
-from common.families import TINY, TINY_MODEL, family_of
+from common.families import MODEL_INDEX_FILES, TINY, TINY_MODEL, family_of, model_index_path
 from runtime.budget import AUTO, DeviceBudget
 from runtime.launch import RankContext, run_ranks
 from runtime.pipelines.base import VideoPipeline, VideoRequest, agree_handles
@@ -59,16 +59,15 @@ def load_pipeline(model: str, *, group: Any = None, device: Any = None,
                                  sequence=sequence, device_budget=device_budget,
                                  max_tokens=max_tokens or TINY.max_tokens)
     path = Path(model)
-    if not (path / "model_index.json").is_file():
+    if model_index_path(model) is None:
         raise ValueError(f"--model must be {TINY_MODEL!r} or a diffusers model directory (with a "
-                         f"model_index.json); {model!r} is neither")
+                         f"{' or '.join(MODEL_INDEX_FILES)}); {model!r} is neither")
     # Here, not at the top: a kiln-tiny process never loads diffusers and transformers.
-    from runtime.pipelines.diffusers_video import DiffusersVideoPipeline
+    from runtime.pipelines.registry import load_diffusers
 
     # The loop its family names, or a ValueError saying which pipelines kiln drives.
-    return DiffusersVideoPipeline.load(path, group=group, device=device,
-                                       use_allgather=use_allgather, sequence=sequence,
-                                       device_budget=device_budget, max_tokens=max_tokens)
+    return load_diffusers(path, group=group, device=device, use_allgather=use_allgather,
+                          sequence=sequence, device_budget=device_budget, max_tokens=max_tokens)
 
 
 def output_path(out: str | os.PathLike[str], index: int) -> Path:

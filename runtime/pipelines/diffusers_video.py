@@ -35,7 +35,7 @@ import torch
 import transformers.utils.logging as tlog
 from diffusers import CogVideoXDPMScheduler
 
-from common.families import COGVIDEOX, FAMILIES, WAN, Family, family_of
+from common.families import COGVIDEOX, FAMILIES, WAN, Family, family_of, model_index_path
 from runtime.budget import AUTO, DeviceBudget, activation_bytes, resolve_budget
 from runtime.dlo import DLOHandle, apply_dlo
 from runtime.models.loading import build_on_meta
@@ -73,30 +73,49 @@ class DiffusersVideoPipeline(VideoPipeline):
         self.decode_free_bytes: int | None = None  # None: measure free memory at decode time
         self.last_decode_plan: Any = None
 
-    @staticmethod
-    def load(model_dir: str | Path, *, group: Any = None, device: Any = None,
+    #: Modules of the transformer, and of the text encoder, that this loop never runs: dropped
+    #: before the weights load, so no rank holds them.
+    unused_modules: ClassVar[tuple[str, ...]] = ()
+    unused_text_modules: ClassVar[tuple[str, ...]] = ()
+    #: The text encoder's block lists (T5's; None: found by ``runtime.dlo.find_block_lists``).
+    text_encoder_blocks: ClassVar[list[str] | None] = ["encoder.block"]
+    #: Components of ``model_index.json`` the loop renders without (diffusers' own optional ones).
+    optional_components: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def pipeline_kwargs(cls, model_dir: Path) -> dict[str, Any]:
+        """Extra arguments for the diffusers pipeline's ``from_pretrained``."""
+        return {}
+
+    @classmethod
+    def assemble(cls, model_dir: Path, name: str, models: dict[str, Any]) -> Any:
+        """The diffusers pipeline ``name`` of ``model_dir`` around ``models`` (the transformers
+        and text encoder kiln built under DLO), its other components loaded from the directory:
+        nothing is fetched from a hub at run time."""
+        return getattr(diffusers, name).from_pretrained(
+            model_dir, local_files_only=True, **cls.pipeline_kwargs(model_dir), **models)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, group: Any = None, device: Any = None,
              use_allgather: bool = True, cfg_batch: bool = True,
              sequence: SequenceParallel | None = None, device_budget: DeviceBudget = AUTO,
              max_tokens: int | None = None) -> DiffusersVideoPipeline:
-        """The loop of the model's family (``common.families.family_of``) around its components;
-        ``cfg_batch=False``: Wan's CFG pair as two batch-1 forwards (CogVideoX refuses it);
-        ``sequence``: the replica's split of the token sequence (Wan; ``runtime.sequence``);
-        ``device_budget``: device memory for resident blocks (``runtime.budget``), with
-        activations reserved for a job of ``max_tokens`` tokens (default: the family's most)."""
+        """This family's loop around the model's components (``runtime.pipelines.registry``
+        picks the class by ``common.families.family_of``); ``cfg_batch=False``: Wan's CFG pair
+        as two batch-1 forwards (CogVideoX refuses it); ``sequence``: the replica's split of
+        the token sequence (Wan; ``runtime.sequence``); ``device_budget``: device memory for
+        resident blocks (``runtime.budget``), with activations reserved for a job of
+        ``max_tokens`` tokens (default: the family's most)."""
         model_dir = Path(model_dir)
-        index = json.loads((model_dir / "model_index.json").read_text())
+        index = json.loads(model_index_path(str(model_dir)).read_text())  # type: ignore[union-attr]
         name = index.get("_class_name", "")
-        loop = PIPELINES.get(family_of(str(model_dir)).pipeline or "")
-        if loop is None:
-            supported = sorted(c for f in FAMILIES if f.pipeline in PIPELINES
-                               for c in f.diffusers_classes)
-            raise ValueError(f"{model_dir}: pipeline {name!r} is not supported; kiln drives "
-                             f"{', '.join(supported)}")
-        if not cfg_batch and not loop.unbatched_cfg:
-            raise ValueError(f"{loop.family.name} runs its CFG pair as one batch-2 forward only")
-        if sequence is not None and loop is not WanVideoPipeline:
-            raise ValueError(f"{model_dir}: sequence parallelism (sp > 1) renders the Wan "
-                             f"family; {name} runs at sp=1")
+        if not cfg_batch and not cls.unbatched_cfg:
+            raise ValueError(f"{cls.family.name} runs its CFG pair as one batch-2 forward only")
+        if sequence is not None and not cls.family.sequence_parallel:
+            splits = ", ".join(f.name for f in FAMILIES if f.sequence_parallel)
+            raise ValueError(f"{model_dir}: {name} runs at sp=1; sequence parallelism (sp > 1) "
+                             f"renders {splits}")
+        check_components(model_dir, index, cls.optional_components)
         # The engine's default device too, so every component lands on the same one.
         dev = torch.device(device) if device is not None else default_device()
         transformers: dict[str, Any] = {}
@@ -106,6 +125,7 @@ class DiffusersVideoPipeline(VideoPipeline):
         tokens = max_tokens or family_of(str(model_dir)).max_tokens
         for tname in names:
             model = build_on_meta(model_dir / tname)
+            _drop(model, cls.unused_modules)
             # dtype before DLO swaps the block parameters for placeholders.
             model._kiln_dtype = next(model.parameters()).dtype
             budget = resolve_budget(device_budget, get_platform(dev), parts=len(names),
@@ -114,7 +134,7 @@ class DiffusersVideoPipeline(VideoPipeline):
                                      use_allgather=use_allgather, device=dev,
                                      device_budget_bytes=budget))
             if sequence is not None:
-                enable_sequence_parallel(model, sequence)
+                cls.enable_sequence_parallel(model, sequence)
             transformers[tname] = model
         if not transformers:
             raise ValueError(f"{model_dir}: no transformer directory")
@@ -126,16 +146,28 @@ class DiffusersVideoPipeline(VideoPipeline):
         text_dir = model_dir / "text_encoder"
         if (text_dir / "config.json").is_file():
             encoder = build_on_meta(text_dir)
-            text_handle = apply_dlo(encoder, checkpoint=text_dir, blocks=["encoder.block"],
+            _drop(encoder, cls.unused_text_modules)
+            encoder._kiln_dtype = next(encoder.parameters()).dtype
+            text_handle = apply_dlo(encoder, checkpoint=text_dir, blocks=cls.text_encoder_blocks,
                                     group=group, use_allgather=False, device=dev)
             transformers["text_encoder"] = encoder
         with _quiet_loading():
-            pipe = getattr(diffusers, name).from_pretrained(model_dir, **transformers)
+            pipe = cls.assemble(model_dir, name, transformers)
         pipe.set_progress_bar_config(disable=True)
         pipe.vae.to(dev)
-        if text_handle is None:
+        if text_handle is None and getattr(pipe, "text_encoder", None) is not None:
             pipe.text_encoder.to(dev)
-        return loop(pipe, handles, device=dev, text_handle=text_handle, cfg_batch=cfg_batch)
+        return cls(pipe, handles, device=dev, text_handle=text_handle, cfg_batch=cfg_batch)
+
+    @staticmethod
+    def enable_sequence_parallel(model: Any, sequence: SequenceParallel) -> None:
+        """Split the transformer's token sequence over the replica (families whose
+        ``sequence_parallel`` is set)."""
+        raise NotImplementedError
+
+    def _own_scheduler(self, name: str = "scheduler") -> Any:
+        """A copy of the model's scheduler for one job: its multistep state is the job's."""
+        return copy.deepcopy(getattr(self.pipe, name))
 
     def close(self) -> None:
         super().close()
@@ -180,6 +212,13 @@ class DiffusersVideoPipeline(VideoPipeline):
         return torch.Generator("cpu").manual_seed(seed)
 
 
+def _drop(model: Any, paths: Sequence[str]) -> None:
+    """Remove the submodules ``paths`` (dotted) from ``model`` before its weights load."""
+    for path in paths:
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, None)
+
+
 def _activations(model: Any, model_dir: Path, tokens: int,
                  sequence: SequenceParallel | None) -> int:
     """What a rank keeps free of resident blocks: a block's activations on this rank's share of
@@ -216,7 +255,22 @@ def _quiet_loading() -> Iterator[None]:
                 log.enable_progress_bar()
 
 
-def _check_frames(r: VideoRequest, family: Family, temporal: int, multiple: int) -> None:
+def check_components(model_dir: Path, index: dict[str, Any],
+                     optional: Sequence[str] = ()) -> None:
+    """Every component the index names (``[library, class, ...]``) is a directory of the
+    model, unless it is one the pipeline renders without: a clear error before anything loads,
+    where diffusers would look for it on the hub."""
+    missing = [f"{name} ({spec[1]})" for name, spec in index.items()
+               if not name.startswith("_") and isinstance(spec, list) and len(spec) >= 2
+               and spec[0] is not None and name not in optional
+               and not (model_dir / name).is_dir()]
+    if missing:
+        raise ValueError(f"{model_dir} lacks {', '.join(missing)}, which its "
+                         f"{index.get('_class_name')} needs; kiln reads every component from "
+                         "the model directory and downloads nothing")
+
+
+def check_frames(r: VideoRequest, family: Family, temporal: int, multiple: int) -> None:
     """``temporal`` and ``multiple``: what the loaded model's VAE and patch need; the family's
     ``size_multiple`` is the least a size must be a multiple of."""
     multiple = max(family.size_multiple, multiple)
@@ -235,6 +289,7 @@ class WanVideoPipeline(DiffusersVideoPipeline):
 
     family = WAN
     max_sequence_length = 512
+    enable_sequence_parallel = staticmethod(enable_sequence_parallel)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -244,7 +299,7 @@ class WanVideoPipeline(DiffusersVideoPipeline):
     def prepare(self, request: VideoRequest) -> DenoiseState:
         p, r = self.pipe, request
         patch = p.transformer.config.patch_size
-        _check_frames(r, self.family, p.vae_scale_factor_temporal,
+        check_frames(r, self.family, p.vae_scale_factor_temporal,
                       p.vae_scale_factor_spatial * max(patch[1], patch[2]))
         cfg = r.guidance_scale > 1.0
         cond, uncond = p.encode_prompt(prompt=r.prompt, negative_prompt=r.negative_prompt,
@@ -252,7 +307,7 @@ class WanVideoPipeline(DiffusersVideoPipeline):
                                        max_sequence_length=self.max_sequence_length,
                                        device=self.device)
         dtype = self.transformers[0]._kiln_dtype
-        scheduler = copy.deepcopy(p.scheduler)
+        scheduler = self._own_scheduler()
         scheduler.set_timesteps(r.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         latents = p.prepare_latents(1, p.transformer.config.in_channels, r.height, r.width,
@@ -338,14 +393,14 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
     def prepare(self, request: VideoRequest) -> DenoiseState:
         p, r = self.pipe, request
         config = p.transformer.config
-        _check_frames(r, self.family, p.vae_scale_factor_temporal,
+        check_frames(r, self.family, p.vae_scale_factor_temporal,
                       p.vae_scale_factor_spatial * config.patch_size)
         cfg = r.guidance_scale > 1.0
         cond, uncond = p.encode_prompt(r.prompt, r.negative_prompt, cfg, num_videos_per_prompt=1,
                                        max_sequence_length=self.max_sequence_length,
                                        device=self.device)
         embeds = torch.cat([uncond, cond], dim=0) if cfg else cond
-        scheduler = copy.deepcopy(p.scheduler)
+        scheduler = self._own_scheduler()
         scheduler.set_timesteps(r.num_inference_steps, device=self.device)
         num_frames = r.num_frames
         latent_frames = (num_frames - 1) // p.vae_scale_factor_temporal + 1
@@ -397,9 +452,3 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
 
     def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pipe.decode_latents(latents)
-
-
-#: The loop each family's ``pipeline`` names.
-PIPELINES: dict[str, type[DiffusersVideoPipeline]] = {
-    c.__name__: c for c in (WanVideoPipeline, CogVideoXVideoPipeline)}
-assert all(c.family.pipeline == name for name, c in PIPELINES.items())

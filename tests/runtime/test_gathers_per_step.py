@@ -16,7 +16,7 @@ from multirank import run_ranks
 
 from runtime.models.synthetic import SyntheticSpec, make_checkpoint
 from runtime.pipelines.base import VideoPipeline, VideoRequest
-from runtime.pipelines.diffusers_video import DiffusersVideoPipeline
+from runtime.pipelines.registry import load_diffusers
 from runtime.pipelines.tiny import TinyPipeline
 from runtime.render import run_lockstep
 
@@ -77,7 +77,7 @@ def wan22_dir(tmp_path_factory):
 
 def _wan_rank(rank: int, world: int, model_dir: str,
               requests: list[VideoRequest]) -> tuple[list[list[int]], list[int], np.ndarray]:
-    pipe = DiffusersVideoPipeline.load(model_dir, device="cpu")
+    pipe = load_diffusers(model_dir, device="cpu")
     try:
         assert all(h.config.use_allgather and h.config.world_size == world
                    for h in pipe.handles)
@@ -92,7 +92,7 @@ def _alone(model_dir: str, request: VideoRequest) -> np.ndarray:
     """The dp=1 render, with the one thread each rank computes with (`tests.multirank`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    pipe = DiffusersVideoPipeline.load(model_dir, device="cpu")
+    pipe = load_diffusers(model_dir, device="cpu")
     try:
         return pipe.generate(request).numpy()
     finally:

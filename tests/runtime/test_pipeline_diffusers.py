@@ -1,13 +1,18 @@
 """Real diffusers families through DLO: kiln's video equals diffusers' own pipeline, bit for bit
-where kiln runs the same forwards (CogVideoX; Wan with ``cfg_batch=False``), to a tolerance where
-kiln batches Wan's CFG pair that the reference runs as two forwards (see ``WAN_ATOL``).
+where kiln runs the same forwards (CogVideoX, Cosmos3, MiniMax-H3; Wan with ``cfg_batch=False``),
+to a tolerance where kiln batches Wan's CFG pair that the reference runs as two forwards (see
+``WAN_ATOL``).
 
 Each test model is a tiny random diffusers model saved to a temporary directory; kiln loads its
 transformer(s) on the meta device and streams the blocks from that directory's safetensors,
-while the reference is diffusers' pipeline built from the same in-memory components.
+while the reference is diffusers' pipeline built from the same in-memory components (MiniMax-H3:
+its modular text-to-video workflow).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import shutil
 
 import numpy as np
 import pytest
@@ -17,21 +22,35 @@ from runtime.launch import rank_threads
 from runtime.models.synthetic import (
     SyntheticSpec,
     build_components,
+    build_pipeline,
     make_checkpoint,
-    pipeline_class,
 )
 from runtime.pipelines.base import VideoRequest
-from runtime.pipelines.diffusers_video import DiffusersVideoPipeline
+from runtime.pipelines.minimax_h3 import t2v_blocks
+from runtime.pipelines.registry import load_diffusers
 from runtime.render import generate_on_ranks
 
 SPECS = {
     "wan": SyntheticSpec(family="wan"),
     "wan22": SyntheticSpec(family="wan", num_experts=2, boundary_ratio=0.6),
     "cogvideox": SyntheticSpec(family="cogvideox"),
+    "cosmos3": SyntheticSpec(family="cosmos3"),
+    "minimax-h3": SyntheticSpec(family="minimax-h3"),
 }
 REQUEST = VideoRequest(prompt="a red circle moving left", negative_prompt="blurry",
                        width=64, height=64, num_frames=9, num_inference_steps=3, seed=0,
                        guidance_scale=5.0)
+# MiniMax-H3 renders 5 s at the least (124 frames at 24 fps) on sizes of 32, and takes no
+# guidance (it is distilled): 3 steps are 2 forwards.
+REQUESTS = {"minimax-h3": VideoRequest(prompt="a red circle moving left", width=64, height=32,
+                                       num_frames=124, num_inference_steps=3, seed=0,
+                                       guidance_scale=1.0)}
+SHAPES = {"minimax-h3": (124, 32, 64, 3)}
+# The block list each family streams, and its text encoder's (None: it has none).
+BLOCKS = {"wan": "blocks", "wan22": "blocks", "cogvideox": "transformer_blocks",
+          "cosmos3": "layers", "minimax-h3": "transformer_blocks"}
+TEXT_BLOCKS = {"wan": "encoder.block", "wan22": "encoder.block", "cogvideox": "encoder.block",
+               "cosmos3": None, "minimax-h3": "model.language_model.layers"}
 # kiln runs Wan's CFG pair as one batch-2 forward, WanPipeline as two batch-1 forwards. That
 # changes the last bits: a batch-1 forward's timestep embedding is a one-row matmul (the
 # matrix-vector kernel), a batch-2 one a two-row matmul (the matrix-matrix kernel), and they sum
@@ -54,36 +73,51 @@ def model_dirs(tmp_path_factory):
     return {name: make_checkpoint(root / name, spec) for name, spec in SPECS.items()}
 
 
-def reference_frames(name: str, request: VideoRequest = REQUEST) -> np.ndarray:
-    pipe = pipeline_class(SPECS[name].family)(**build_components(SPECS[name]))
+def reference_frames(name: str, request: VideoRequest | None = None) -> np.ndarray:
+    """diffusers' own pipeline on the same request: each family's call, as its docs give it."""
+    request = request or REQUESTS.get(name, REQUEST)
+    spec = SPECS[name]
+    generator = torch.Generator().manual_seed(request.seed)
+    size = {"height": request.height, "width": request.width, "num_frames": request.num_frames,
+            "num_inference_steps": request.num_inference_steps}
+    if spec.family == "minimax-h3":
+        pipe = t2v_blocks().init_pipeline()
+        pipe.update_components(**build_components(spec))
+        return pipe(prompt=request.prompt, generator=generator, output_type="np",
+                    **size).get("videos")[0]
+    pipe = build_pipeline(spec)
     pipe.set_progress_bar_config(disable=True)
-    out = pipe(prompt=request.prompt, negative_prompt=request.negative_prompt,
-               height=request.height, width=request.width, num_frames=request.num_frames,
-               num_inference_steps=request.num_inference_steps,
-               guidance_scale=request.guidance_scale,
-               generator=torch.Generator().manual_seed(request.seed), output_type="np")
+    guidance = {"negative_prompt": request.negative_prompt,
+                "guidance_scale": request.guidance_scale}
+    if spec.family == "cosmos3":
+        out = pipe(prompt=request.prompt, fps=float(request.fps), generator=generator,
+                   output_type="np", **guidance, **size)
+        return out.video
+    out = pipe(prompt=request.prompt, generator=generator, output_type="np", **guidance, **size)
     return out.frames[0]
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_dlo_render_equals_the_diffusers_pipeline_bit_for_bit(model_dirs, name):
-    pipe = DiffusersVideoPipeline.load(model_dirs[name])
+    pipe = load_diffusers(model_dirs[name])
     try:
         # The blocks really are streamed: outside a forward they hold no memory.
         for t in pipe.transformers:
-            assert all(p.is_meta for p in t.get_submodule(
-                "blocks" if name.startswith("wan") else "transformer_blocks").parameters())
+            assert all(p.is_meta for p in t.get_submodule(BLOCKS[name]).parameters())
         # So are the text encoder's, rank-local (a rank encodes its prompt on its own).
-        encoder = pipe.pipe.text_encoder
-        assert all(p.is_meta for p in encoder.encoder.block.parameters())
-        stats = pipe.text_handle.stats()
-        assert stats["mode"] == "rank-local"
-        assert stats["device_weight_buffer_bytes"] == 2 * stats["max_block_bytes"]
-        frames = pipe.generate(REQUEST).numpy()
+        if TEXT_BLOCKS[name] is None:
+            assert pipe.text_handle is None
+        else:
+            encoder = pipe.pipe.text_encoder
+            assert all(p.is_meta for p in encoder.get_submodule(TEXT_BLOCKS[name]).parameters())
+            stats = pipe.text_handle.stats()
+            assert stats["mode"] == "rank-local"
+            assert stats["device_weight_buffer_bytes"] == 2 * stats["max_block_bytes"]
+        frames = pipe.generate(REQUESTS.get(name, REQUEST)).numpy()
     finally:
         pipe.close()
     ref = reference_frames(name)
-    assert frames.shape == ref.shape == (9, 64, 64, 3)
+    assert frames.shape == ref.shape == SHAPES.get(name, (9, 64, 64, 3))
     assert ref.std() > 0.01  # a real picture, not a constant
     assert_matches_reference(name, frames, ref)
 
@@ -91,7 +125,7 @@ def test_dlo_render_equals_the_diffusers_pipeline_bit_for_bit(model_dirs, name):
 @pytest.mark.parametrize("name", ["wan", "wan22"])
 def test_wan_with_two_batch_1_cfg_forwards_equals_the_diffusers_pipeline_bit_for_bit(
         model_dirs, name):
-    pipe = DiffusersVideoPipeline.load(model_dirs[name], cfg_batch=False)
+    pipe = load_diffusers(model_dirs[name], cfg_batch=False)
     try:
         assert pipe.forwards_per_step == 2
         frames = pipe.generate(REQUEST).numpy()
@@ -102,14 +136,14 @@ def test_wan_with_two_batch_1_cfg_forwards_equals_the_diffusers_pipeline_bit_for
 
 def test_cogvideox_refuses_two_batch_1_cfg_forwards(model_dirs):
     with pytest.raises(ValueError, match="one batch-2 forward"):
-        DiffusersVideoPipeline.load(model_dirs["cogvideox"], cfg_batch=False)
+        load_diffusers(model_dirs["cogvideox"], cfg_batch=False)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["wan", "cogvideox"])
+@pytest.mark.parametrize("name", ["wan", "cogvideox", "cosmos3", "minimax-h3"])
 def test_two_ranks_with_allgather_equal_the_diffusers_pipeline(model_dirs, name):
     # Rank 0 renders, rank 1 only takes part in the gathers (idle steps).
-    frames = generate_on_ranks(str(model_dirs[name]), [REQUEST], dp=2)
+    frames = generate_on_ranks(str(model_dirs[name]), [REQUESTS.get(name, REQUEST)], dp=2)
     assert frames[1] is None
     # CPU kernels split their reductions by thread count, so the reference computes with the
     # threads each rank has to compare bits.
@@ -120,6 +154,67 @@ def test_two_ranks_with_allgather_equal_the_diffusers_pipeline(model_dirs, name)
     finally:
         torch.set_num_threads(threads)
     assert_matches_reference(name, frames[0], ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cosmos3", "minimax-h3"])
+def test_two_ranks_each_rendering_a_job_equal_the_diffusers_pipeline(model_dirs, name):
+    # Both ranks render, each its own prompt and seed, sharing one sharded copy of the blocks.
+    base = REQUESTS.get(name, REQUEST)
+    requests = [base, dataclasses.replace(base, prompt="a blue cat flying over the sea", seed=7)]
+    frames = generate_on_ranks(str(model_dirs[name]), requests, dp=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(2))
+    try:
+        refs = [reference_frames(name, r) for r in requests]
+    finally:
+        torch.set_num_threads(threads)
+    for got, ref in zip(frames, refs, strict=True):
+        np.testing.assert_array_equal(got, ref)
+    assert not np.array_equal(refs[0], refs[1])
+
+
+def test_cosmos3_runs_its_cfg_pair_as_two_forwards_and_gathers_both_without_guidance(model_dirs):
+    pipe = load_diffusers(model_dirs["cosmos3"])
+    try:
+        assert pipe.forwards_per_step == 2 and pipe.pipe.safety_checker is None
+        assert pipe.pipe.transformer.lm_head is None  # never loaded: video never runs it
+        for guidance, computed in ((5.0, 2), (1.0, 1)):
+            forwards, acquired = _step_counts(pipe, VideoRequest(prompt="a cat",
+                                                                 guidance_scale=guidance))
+            assert forwards == [computed]
+            assert acquired == [2 * pipe.handles[0].num_blocks]  # the same gathers either way
+    finally:
+        pipe.close()
+
+
+def test_minimax_h3_runs_one_forward_per_step_and_one_fewer_than_its_steps(model_dirs):
+    pipe = load_diffusers(model_dirs["minimax-h3"])
+    try:
+        state = pipe.prepare(REQUESTS["minimax-h3"])
+        assert pipe.forwards_per_step == 1 and state.num_inference_steps == 2
+        encoder = pipe.pipe.text_encoder  # its head and vision tower: never loaded
+        assert encoder.lm_head is None and encoder.model.visual is None
+        with pytest.raises(ValueError, match="5 \\+ 17k frames from 124 to 345"):
+            pipe.prepare(dataclasses.replace(REQUESTS["minimax-h3"], num_frames=125))
+        with pytest.raises(ValueError, match="multiples of 32"):
+            pipe.prepare(dataclasses.replace(REQUESTS["minimax-h3"], width=48))
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("name", ["cosmos3", "minimax-h3"])
+def test_a_directory_missing_a_component_is_refused_naming_it(model_dirs, name, tmp_path):
+    copy = tmp_path / name
+    shutil.copytree(model_dirs[name], copy)
+    shutil.rmtree(copy / "vae")
+    with pytest.raises(ValueError, match="lacks vae \\(AutoencoderKL.*downloads nothing"):
+        load_diffusers(copy)
+
+
+def test_cosmos3_refuses_sequence_parallelism_saying_which_families_split(model_dirs):
+    with pytest.raises(ValueError, match="runs at sp=1; sequence parallelism .* wan"):
+        load_diffusers(model_dirs["cosmos3"], sequence=object())
 
 
 @pytest.mark.slow
@@ -159,7 +254,7 @@ def _step_counts(pipe, request, active=None):
 @pytest.mark.parametrize("guidance", [5.0, 1.0])
 def test_a_wan_step_gathers_forwards_per_step_forwards_with_or_without_guidance(
         model_dirs, cfg_batch, guidance):
-    pipe = DiffusersVideoPipeline.load(model_dirs["wan"], cfg_batch=cfg_batch)
+    pipe = load_diffusers(model_dirs["wan"], cfg_batch=cfg_batch)
     try:
         forwards, acquired = _step_counts(pipe, VideoRequest(prompt="a cat",
                                                              guidance_scale=guidance))
@@ -172,7 +267,7 @@ def test_a_wan_step_gathers_forwards_per_step_forwards_with_or_without_guidance(
 
 
 def test_wan22_steps_gather_only_the_active_experts(model_dirs):
-    pipe = DiffusersVideoPipeline.load(model_dirs["wan22"])
+    pipe = load_diffusers(model_dirs["wan22"])
     try:
         # t = 999 is above the boundary: the high-noise expert computes.
         assert pipe.handles_needed(pipe.prepare(REQUEST)) == [True, False]
@@ -192,7 +287,7 @@ def test_wan22_steps_gather_only_the_active_experts(model_dirs):
 
 
 def test_decode_in_one_frame_tiles_equals_decode_in_one_pass(model_dirs):
-    pipe = DiffusersVideoPipeline.load(model_dirs["wan"])
+    pipe = load_diffusers(model_dirs["wan"])
     try:
         state = pipe.prepare(VideoRequest(prompt="a cat", num_inference_steps=1))
         pipe.step(state)
@@ -207,7 +302,7 @@ def test_decode_in_one_frame_tiles_equals_decode_in_one_pass(model_dirs):
 
 
 def test_unsupported_sizes_are_refused_with_the_rule(model_dirs):
-    pipe = DiffusersVideoPipeline.load(model_dirs["wan"])
+    pipe = load_diffusers(model_dirs["wan"])
     try:
         with pytest.raises(ValueError, match="1 \\+ 4k frames"):
             pipe.prepare(VideoRequest(prompt="a cat", num_frames=8))

@@ -170,7 +170,7 @@ def test_a_preview_shows_the_predicted_clean_video_and_ends_as_the_videos_middle
 
 
 def test_kiln_tiny_previews_and_the_diffusers_families_do_not_as_their_families_say():
-    from runtime.pipelines.diffusers_video import PIPELINES  # diffusers: only this test
+    from runtime.pipelines.registry import PIPELINES  # diffusers: only this test
 
     assert TinyPipeline.can_preview and TINY.previews
     for cls in PIPELINES.values():

@@ -1,0 +1,43 @@
+"""The loop that renders each diffusers family, by the name its ``common.families.Family``
+gives in ``pipeline``; and loading a model directory into it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from common.families import FAMILIES, family_of, model_index_path
+from runtime.pipelines.cosmos3 import Cosmos3VideoPipeline
+from runtime.pipelines.diffusers_video import (
+    CogVideoXVideoPipeline,
+    DiffusersVideoPipeline,
+    WanVideoPipeline,
+)
+from runtime.pipelines.minimax_h3 import MiniMaxH3VideoPipeline
+
+PIPELINES: dict[str, type[DiffusersVideoPipeline]] = {
+    c.__name__: c for c in (WanVideoPipeline, CogVideoXVideoPipeline, Cosmos3VideoPipeline,
+                            MiniMaxH3VideoPipeline)}
+assert all(c.family.pipeline == name for name, c in PIPELINES.items())
+
+
+def load_diffusers(model_dir: str | Path, **kwargs: Any) -> DiffusersVideoPipeline:
+    """The loop of ``model_dir``'s family around its components, transformer(s) under DLO
+    (``DiffusersVideoPipeline.load`` takes ``kwargs``); a ValueError naming the pipelines kiln
+    drives when the directory's is not one of them."""
+    loop = PIPELINES.get(family_of(str(model_dir)).pipeline or "")
+    if loop is None:
+        supported = sorted(c for f in FAMILIES if f.pipeline in PIPELINES
+                           for c in f.diffusers_classes)
+        raise ValueError(f"{model_dir}: pipeline {_class_name(Path(model_dir))!r} is not "
+                         f"supported; kiln drives {', '.join(supported)}")
+    return loop.load(model_dir, **kwargs)
+
+
+def _class_name(model_dir: Path) -> str:
+    try:
+        path = model_index_path(str(model_dir))
+        return str(json.loads(path.read_text()).get("_class_name", "")) if path else ""
+    except (OSError, ValueError, AttributeError):
+        return ""
