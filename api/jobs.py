@@ -71,24 +71,43 @@ def size_multiple(s: Settings, family: Family) -> int:
 
 
 def frame_stride(s: Settings, family: Family) -> int:
-    """A clip has 1 + k x this many frames: the family's stride and the deployment's."""
+    """A clip has ``family.frame_base`` + k x this many frames: for the causal VAEs (1 + k x
+    their stride) the family's stride and the deployment's together; a family with a rule of
+    its own (MiniMax-H3's 5 + 17k) keeps its own, which no deployment stride composes with."""
+    if family.frame_base != 1:
+        return family.frame_stride
     return math.lcm(family.frame_stride, s.frame_stride)
+
+
+def frame_bounds(s: Settings, family: Family) -> tuple[int, int]:
+    """The fewest and the most frames a clip of ``family`` may have here."""
+    most = min(s.max_num_frames, family.max_frames or s.max_num_frames)
+    return family.min_frames, most
 
 
 def _nearest(value: int, step: int, low: int, high: int, base: int = 0) -> str:
     """The valid values (``base`` + k x ``step`` within [low, high]) either side of ``value``,
     as a clause for a message ("" when none is in range)."""
     below = base + (value - base) // step * step
-    found = [str(v) for v in (below, below + step) if low <= v <= high]
+    near = [below, below + step]
+    if value > high:  # past the range: its last valid value
+        near = [base + (high - base) // step * step]
+    elif value < low:  # short of it: its first
+        near = [low + (base - low) % step]
+    found = [str(v) for v in near if low <= v <= high]
     return f"; nearest: {' or '.join(found)}" if found else ""
 
 
 def _most_frames(spec: JobSpec, family: Family, stride: int, max_tokens: int) -> int | None:
-    """The most frames (1 + k x ``stride``, no more than the request's) that keep ``spec``'s
-    size within ``max_tokens``; None when one frame is already too many."""
-    for k in range((spec.num_frames - 1) // stride, -1, -1):
-        if tokens(spec.width, spec.height, 1 + k * stride, family=family) <= max_tokens:
-            return 1 + k * stride
+    """The most frames (base + k x ``stride``, from the family's fewest to the request's) that
+    keep ``spec``'s size within ``max_tokens``; None when the fewest are already too many."""
+    base = family.frame_base
+    for k in range((spec.num_frames - base) // stride, -1, -1):
+        n = base + k * stride
+        if n < family.min_frames:
+            break
+        if tokens(spec.width, spec.height, n, family=family) <= max_tokens:
+            return n
     return None
 
 
@@ -151,10 +170,16 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
         else:
             p.add(frames_field, f"at most {s.max_num_frames} frames, got {spec.num_frames}")
         shape_ok = False
-    elif (spec.num_frames - 1) % stride:
-        p.add(frames_field, f"must be 1 + a multiple of {stride} frames "
-                            f"(1, {1 + stride}, {1 + 2 * stride}, ...), got {spec.num_frames}"
-                            f"{_nearest(spec.num_frames, stride, 1, s.max_num_frames, base=1)}")
+    elif (spec.num_frames - family.frame_base) % stride or not (
+            frame_bounds(s, family)[0] <= spec.num_frames <= frame_bounds(s, family)[1]):
+        base, (fewest, most) = family.frame_base, frame_bounds(s, family)
+        first = fewest + (base - fewest) % stride  # the fewest that keeps the rule
+        last = most - (most - base) % stride  # and the most
+        within = f" from {first} to {last}" if fewest > 1 or most < s.max_num_frames else ""
+        p.add(frames_field, f"must be {base} + a multiple of {stride} frames{within} "
+                            f"({first}, {first + stride}, {first + 2 * stride}, ...), got "
+                            f"{spec.num_frames}"
+                            f"{_nearest(spec.num_frames, stride, fewest, most, base=base)}")
         shape_ok = False
     if shape_ok:
         _check_work(p, s, spec, family, stride, seconds)
@@ -248,10 +273,12 @@ def spec_from_video_create(body: VideoCreate, s: Settings, now: datetime) -> Job
         if seconds < 1:
             p.add("seconds", "must be at least 1")
         # Wan's convention: N seconds at F fps is 1 + N*F frames (5 s at 16 fps: 81), rounded
-        # up to the model's frame stride (its VAE's and the deployment's), so the count is one
-        # the model renders.
-        stride = frame_stride(s, admission_family(s, model))
-        num_frames = 1 + -(-seconds * fps // stride) * stride
+        # up to the model's frame rule (its VAE's stride and the deployment's; MiniMax-H3's
+        # 5 + 17k: 5 s at 24 fps is 124), so the count is one the model renders.
+        family = admission_family(s, model)
+        stride, base = frame_stride(s, family), family.frame_base
+        wanted = 1 + seconds * fps
+        num_frames = max(family.min_frames, base + -(-(wanted - base) // stride) * stride)
     spec = JobSpec(
         model=model, prompt=body.prompt, negative_prompt=body.negative_prompt, width=width,
         height=height, num_frames=num_frames, fps=fps,

@@ -300,12 +300,16 @@ def _width_of(model: str) -> int:
     """Hidden size of the transformer, for the bytes an all-to-all moves per token."""
     c = _transformer_config(model)
     if c:
-        return int(c.get("num_attention_heads", 1) * c.get("attention_head_dim", 1))
+        return int(c.get("hidden_size") or
+                   c.get("num_attention_heads", 1) * c.get("attention_head_dim", 1))
     return TinyConfig().dim
 
 
 def heads_of(model: str) -> int | None:
-    """The transformer's attention heads (sp must divide them), when known."""
+    """What sp must divide, when known: the transformer's attention heads, or 1 for a family
+    that runs at sp=1 (`common.families.Family.sequence_parallel`)."""
+    if not family_of(model).sequence_parallel and family_of(model).pipeline is not None:
+        return 1
     if model == "kiln-tiny":
         return TinyConfig().num_heads
     return _transformer_config(model).get("num_attention_heads")

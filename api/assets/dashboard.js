@@ -78,7 +78,9 @@
       Object.assign(form.elements[name], { step: m.size_multiple, min: m.min_size,
                                            max: name === "width" ? m.max_width : m.max_height });
     }
-    Object.assign(form.elements.num_frames, { step: m.frame_stride, max: m.max_num_frames });
+    // frame_base + k x frame_stride frames; a family's fewest keeps its rule (1, or 124 = 5 + 7 x 17).
+    Object.assign(form.elements.num_frames, { step: m.frame_stride, min: m.min_num_frames,
+                                              max: m.max_num_frames });
     form.elements.num_inference_steps.max = m.max_num_inference_steps;
     form.elements.prompt.maxLength = m.max_prompt_chars;
   }

@@ -23,7 +23,9 @@ class ModelPublic(BaseModel):
     family: str
     defaults: dict[str, Any] = Field(description="what a request gets for a field it leaves out")
     size_multiple: int = Field(description="width and height are multiples of this")
-    frame_stride: int = Field(description="a clip has 1 + k x frame_stride frames")
+    frame_stride: int = Field(description="a clip has frame_base + k x frame_stride frames")
+    frame_base: int = Field(description="a clip has frame_base + k x frame_stride frames")
+    min_num_frames: int
     min_size: int
     max_width: int
     max_height: int
@@ -47,9 +49,11 @@ def list_models(user: CurrentUser, settings: SettingsDep) -> ModelList:
             id=model, family=family.name,
             defaults=dataclasses.asdict(jobs.request_defaults(settings, model)),
             size_multiple=jobs.size_multiple(settings, family),
-            frame_stride=jobs.frame_stride(settings, family),
+            frame_stride=jobs.frame_stride(settings, family), frame_base=family.frame_base,
+            min_num_frames=jobs.frame_bounds(settings, family)[0],
             min_size=settings.min_size, max_width=settings.max_width,
-            max_height=settings.max_height, max_num_frames=settings.max_num_frames,
+            max_height=settings.max_height,
+            max_num_frames=jobs.frame_bounds(settings, family)[1],
             max_num_inference_steps=settings.max_num_inference_steps,
             max_prompt_chars=settings.max_prompt_chars))
     return ModelList(data=data)

@@ -226,8 +226,9 @@ def _activations(model: Any, model_dir: Path, tokens: int,
     the text encoder, counted whole: its blocks stream, but a conservative budget only streams
     a little more)."""
     c = model.config
-    width = getattr(c, "num_attention_heads", 1) * getattr(c, "attention_head_dim", 1)
-    ffn = getattr(c, "ffn_dim", None) or 4 * width
+    width = getattr(c, "hidden_size", None) or (
+        getattr(c, "num_attention_heads", 1) * getattr(c, "attention_head_dim", 1))
+    ffn = getattr(c, "ffn_dim", None) or getattr(c, "intermediate_size", None) or 4 * width
     shard = -(-tokens // (sequence.degree if sequence is not None else 1))
     others = sum(f.stat().st_size for part in ("vae", "text_encoder")
                  for f in (model_dir / part).glob("*.safetensors"))

@@ -228,10 +228,12 @@ def test_a_checkpoint_whose_vae_compresses_more_is_held_to_its_own_multiple(
 
 def test_a_bare_request_gets_defaults_its_model_accepts(tmp_path: Path) -> None:
     models = ["kiln-tiny"]
-    for class_name in ("WanPipeline", "CogVideoXPipeline"):
+    for class_name, index in (("WanPipeline", "model_index.json"),
+                              ("CogVideoXPipeline", "model_index.json"),
+                              ("Cosmos3OmniPipeline", "model_index.json"),
+                              ("MiniMaxH3ModularPipeline", "modular_model_index.json")):
         (tmp_path / class_name).mkdir()
-        (tmp_path / class_name / "model_index.json").write_text(
-            json.dumps({"_class_name": class_name}))
+        (tmp_path / class_name / index).write_text(json.dumps({"_class_name": class_name}))
         models.append(str(tmp_path / class_name))
     # Wan's and CogVideoX's own sizes are larger than a CPU's default bound (32,760 and 17,550
     # tokens), which a deployment serving them raises.
@@ -239,3 +241,33 @@ def test_a_bare_request_gets_defaults_its_model_accepts(tmp_path: Path) -> None:
     for model in models:
         spec = spec_from_job_create(JobCreate(prompt="a red circle", model=model), s, utcnow())
         assert spec.model == model
+
+
+def _minimax_dir(path: Path) -> str:
+    path.mkdir()
+    (path / "modular_model_index.json").write_text(
+        json.dumps({"_class_name": "MiniMaxH3ModularPipeline"}))
+    return str(path)
+
+
+def test_minimax_h3_is_held_to_its_own_clip_rule_from_5_to_15_seconds(tmp_path: Path) -> None:
+    # Its VAE encodes clips of 17 frames into 5 latents plus two: 5 + 17k frames, 5 s to 15 s at
+    # 24 fps (124 to 345); the deployment's 1 + 4k stride does not compose with that rule.
+    model = _minimax_dir(tmp_path / "minimax")
+    s = _settings(models=[model], max_job_tokens=10**6, max_job_work=10**8,
+                  max_num_frames=400)
+    assert isinstance(_job(s, model=model, width=1344, height=768, num_frames=124), JobSpec)
+    assert isinstance(_job(s, model=model, width=1344, height=768, num_frames=345), JobSpec)
+    message = "must be 5 + a multiple of 17 frames from 124 to 345 (124, 141, 158, ...), got "
+    assert _job(s, model=model, width=1344, height=768, num_frames=125) == [
+        {"field": "num_frames", "msg": message + "125; nearest: 124 or 141"}]
+    assert _job(s, model=model, width=1344, height=768, num_frames=107) == [
+        {"field": "num_frames", "msg": message + "107; nearest: 124"}]
+    assert _job(s, model=model, width=1344, height=768, num_frames=362) == [
+        {"field": "num_frames", "msg": message + "362; nearest: 345"}]
+    assert _job(s, model=model, width=1360, height=768, num_frames=124) == [
+        {"field": "width", "msg": "must be a multiple of 32, got 1360; nearest: 1344 or 1376"}]
+    # Seconds at its 24 fps: 5 s is 124 frames, 10 s is 243.
+    for seconds, frames in (("5", 124), ("10", 243)):
+        spec = _video(s, model=model, size="1344x768", seconds=seconds, fps=24)
+        assert isinstance(spec, JobSpec) and spec.num_frames == frames, spec
