@@ -1,14 +1,19 @@
 """Host memory of a ``--dp N`` render against the size of the checkpoint it streams.
 
-Renders one prompt through :func:`runtime.render.render` (rank 0 renders, the others take part in
-the gathers) and samples the summed PSS of the rank processes every 0.1 s: PSS splits every shared
-page (the memory-mapped checkpoint, shared libraries) among the processes that map it, so the sum
-is the physical memory the ranks hold together, counted once. Also reports each rank's peak RSS
-(which counts shared pages in full in every rank) and its DLO host shard. With ``--make`` it
-first writes a random-weight Wan checkpoint of the given size. Prints one JSON document.
+Renders one prompt per rank through :func:`runtime.render.render` and samples the summed PSS of
+the rank processes every 0.1 s: PSS splits every shared page (the memory-mapped checkpoint,
+shared libraries) among the processes that map it, so the sum is the physical memory the ranks
+hold together, counted once. Also reports each rank's peak RSS (which counts shared pages in full
+in every rank) and its DLO host shard, and the same render on a 2-block model of the family
+(what the ranks hold whatever the model: interpreter, torch, diffusers). With ``--naive`` it also
+renders the same prompts with diffusers' own pipeline in N processes, each loading the whole
+model privately (what a user runs without kiln), sampled the same way. With ``--make`` it first
+writes a random-weight checkpoint of the family and size. Prints one JSON document.
 
     python bench/render_memory.py --make --layers 30 --width 1024 --model /tmp/wan-2g --dp 2
         [--text-dim 1024 --text-layers 24]   # a 0.6 GB text encoder as well
+    python bench/render_memory.py --make --family cosmos3 --layers 12 --width 1024 \
+        --model /tmp/cosmos3-1g --dp 2 --naive
 """
 
 from __future__ import annotations
@@ -22,22 +27,58 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.models.synthetic import SyntheticSpec, checkpoint_bytes, make_checkpoint  # noqa: E402
+from common.families import checkpoint_family  # noqa: E402
+from runtime.launch import RankContext, run_ranks  # noqa: E402
+from runtime.models.synthetic import (  # noqa: E402
+    FAMILIES,
+    SyntheticSpec,
+    checkpoint_bytes,
+    make_checkpoint,
+)
 from runtime.pipelines.base import VideoRequest  # noqa: E402
+from runtime.pipelines.reference import open_reference, run_reference  # noqa: E402
 from runtime.render import render  # noqa: E402
+
+PROMPTS = ["a red circle moving left", "a blue cat flying over the sea", "a green tree",
+           "a yellow boat at sunset"]
+
+
+def _requests(model: str, dp: int, steps: int) -> list[VideoRequest]:
+    """One small request per rank, at the family's fewest frames (MiniMax-H3: 124, 5 s)."""
+    family = checkpoint_family(model)
+    frames = max(9, family.min_frames)
+    size = family.size_multiple * (2 if family.size_multiple < 32 else 1)
+    return [VideoRequest(prompt=PROMPTS[i % len(PROMPTS)], width=2 * size, height=size,
+                         num_frames=frames, num_inference_steps=steps, seed=i, fps=16)
+            for i in range(dp)]
 
 
 def _peak_render(model: str, dp: int, steps: int, out: str) -> tuple[int, list]:
     samples: list[int] = []
-    request = VideoRequest(prompt="a red circle moving left", num_inference_steps=steps, fps=16)
-    reports = render(model, [request], out, dp=dp, on_sample=samples.append)
+    reports = render(model, _requests(model, dp, steps), out, dp=dp, on_sample=samples.append)
     return max(samples, default=0), reports
+
+
+def _naive_rank(ctx: RankContext, model: str, requests: list[VideoRequest]) -> int:
+    """One rank of the naive baseline: diffusers' pipeline loaded whole, its own request."""
+    pipe = open_reference(model)
+    frames = run_reference(pipe, checkpoint_family(model).name, requests[ctx.rank])
+    return len(frames)
+
+
+def _peak_naive(model: str, dp: int, steps: int) -> int:
+    samples: list[int] = []
+    run_ranks(dp, _naive_rank, model, _requests(model, dp, steps), on_sample=samples.append)
+    return max(samples, default=0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="diffusers model directory")
-    ap.add_argument("--make", action="store_true", help="write a random Wan checkpoint first")
+    ap.add_argument("--make", action="store_true", help="write a random checkpoint first")
+    ap.add_argument("--family", default="wan", choices=FAMILIES, help="with --make")
+    ap.add_argument("--naive", action="store_true",
+                    help="also measure diffusers' own pipeline, a whole copy per rank")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--text-dim", type=int, default=32, help="with --make: the text encoder's "
@@ -48,7 +89,7 @@ def main() -> None:
     ap.add_argument("--out", default="out/render_memory.mp4")
     args = ap.parse_args()
     if args.make:
-        make_checkpoint(args.model, SyntheticSpec(family="wan", num_layers=args.layers,
+        make_checkpoint(args.model, SyntheticSpec(family=args.family, num_layers=args.layers,
                                                   width=args.width, head_dim=128,
                                                   text_dim=args.text_dim,
                                                   text_layers=args.text_layers))
@@ -59,8 +100,10 @@ def main() -> None:
     # The same render with a 2-block, width-64 model: what the ranks hold whatever the model
     # (interpreter, torch, diffusers, buffers).
     with tempfile.TemporaryDirectory() as tmp:
-        small = make_checkpoint(Path(tmp) / "small", SyntheticSpec(family="wan"))
+        family = checkpoint_family(args.model).name
+        small = make_checkpoint(Path(tmp) / "small", SyntheticSpec(family=family))
         baseline, _ = _peak_render(str(small), args.dp, args.steps, str(Path(tmp) / "s.mp4"))
+    naive = _peak_naive(args.model, args.dp, args.steps) if args.naive else None
     result = {
         "checkpoint_bytes": ckpt,
         "dp": args.dp,
@@ -70,6 +113,9 @@ def main() -> None:
         "model_dependent_bytes": peak_pss - baseline,
         "model_dependent_over_checkpoint": round((peak_pss - baseline) / ckpt, 3),
         "naive_dp_copies_bytes": args.dp * ckpt,
+        # Measured, when asked: diffusers' own pipeline, a whole private copy in every rank.
+        "naive_peak_summed_pss_bytes": naive,
+        "naive_over_kiln": round(naive / peak_pss, 2) if naive else None,
         "seconds": round(seconds, 1),
         "ranks": [{
             "rank": r.rank,

@@ -27,6 +27,7 @@ from runtime.models.synthetic import (
 )
 from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.minimax_h3 import t2v_blocks
+from runtime.pipelines.reference import run_reference
 from runtime.pipelines.registry import load_diffusers
 from runtime.render import generate_on_ranks
 
@@ -74,27 +75,15 @@ def model_dirs(tmp_path_factory):
 
 
 def reference_frames(name: str, request: VideoRequest | None = None) -> np.ndarray:
-    """diffusers' own pipeline on the same request: each family's call, as its docs give it."""
-    request = request or REQUESTS.get(name, REQUEST)
+    """diffusers' own pipeline on the same request, built from the same in-memory components."""
     spec = SPECS[name]
-    generator = torch.Generator().manual_seed(request.seed)
-    size = {"height": request.height, "width": request.width, "num_frames": request.num_frames,
-            "num_inference_steps": request.num_inference_steps}
     if spec.family == "minimax-h3":
         pipe = t2v_blocks().init_pipeline()
         pipe.update_components(**build_components(spec))
-        return pipe(prompt=request.prompt, generator=generator, output_type="np",
-                    **size).get("videos")[0]
-    pipe = build_pipeline(spec)
-    pipe.set_progress_bar_config(disable=True)
-    guidance = {"negative_prompt": request.negative_prompt,
-                "guidance_scale": request.guidance_scale}
-    if spec.family == "cosmos3":
-        out = pipe(prompt=request.prompt, fps=float(request.fps), generator=generator,
-                   output_type="np", **guidance, **size)
-        return out.video
-    out = pipe(prompt=request.prompt, generator=generator, output_type="np", **guidance, **size)
-    return out.frames[0]
+    else:
+        pipe = build_pipeline(spec)
+        pipe.set_progress_bar_config(disable=True)
+    return run_reference(pipe, spec.family, request or REQUESTS.get(name, REQUEST))
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -1,0 +1,50 @@
+"""diffusers' own pipelines, called as their documentation calls them: what kiln's loops are
+checked against (bit for bit, in the tests) and what the benchmarks measure kiln beside (each
+rank a whole private copy of the model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import numpy as np
+import torch
+
+from common.families import COSMOS3, MINIMAX_H3, family_of, model_index_path
+from runtime.pipelines.base import VideoRequest
+from runtime.pipelines.minimax_h3 import t2v_blocks
+
+
+def open_reference(model_dir: str | Path) -> Any:
+    """The model directory's diffusers pipeline, every component loaded whole (no DLO)."""
+    model_dir = Path(model_dir)
+    if family_of(str(model_dir)) is MINIMAX_H3:
+        pipe = t2v_blocks().init_pipeline(str(model_dir))
+        pipe.load_components(local_files_only=True)
+        return pipe
+    index = model_index_path(str(model_dir))
+    name = json.loads(index.read_text())["_class_name"] if index else ""
+    extra = {"enable_safety_checker": False} if family_of(str(model_dir)) is COSMOS3 else {}
+    pipe = getattr(diffusers, name).from_pretrained(model_dir, local_files_only=True, **extra)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_reference(pipe: Any, family: str, request: VideoRequest) -> np.ndarray:
+    """``request`` through diffusers' pipeline of ``family`` (a `common.families` name): float
+    frames [N, H, W, 3] in [0, 1]."""
+    generator = torch.Generator().manual_seed(request.seed)
+    size = {"height": request.height, "width": request.width, "num_frames": request.num_frames,
+            "num_inference_steps": request.num_inference_steps}
+    if family == MINIMAX_H3.name:  # guidance-distilled: no negative prompt, no scale
+        return pipe(prompt=request.prompt, generator=generator, output_type="np",
+                    **size).get("videos")[0]
+    guidance = {"negative_prompt": request.negative_prompt,
+                "guidance_scale": request.guidance_scale}
+    if family == COSMOS3.name:
+        return pipe(prompt=request.prompt, fps=float(request.fps), generator=generator,
+                    output_type="np", **guidance, **size).video
+    return pipe(prompt=request.prompt, generator=generator, output_type="np", **guidance,
+                **size).frames[0]
