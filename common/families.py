@@ -132,6 +132,7 @@ MINIMAX_H3 = Family(
     size_multiple=32, frame_stride=17, frame_base=5, min_frames=124, max_frames=345,
     patch_size=(1, 2, 2), vae_scale_factor_spatial=16, vae_scale_factor_temporal=4,
     max_tokens=87_696,  # its longest clip, 345 frames, on the default canvas (as counted here)
+    sequence_parallel=True,
 )
 # Anything else: no pipeline; defaults small enough to finish on a CPU, large enough to see; the
 # geometry of a typical video DiT (a causal VAE of 4x8x8, patch 1x2x2) for its cost.

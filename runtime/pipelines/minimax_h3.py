@@ -16,10 +16,8 @@ for bit (CPU, fp32, the same thread count). The text encoder streams its 51+ lay
 (as Wan's UMT5 does); its language-model head and vision tower, which a text prompt never runs,
 are never loaded.
 
-Sequence parallelism: the release runs one job over 8 GPUs, and diffusers declares a ``_cp_plan``
-for it; kiln renders it at sp=1 for now (see ``DiffusersVideoPipeline.load``): diffusers' own
-context parallelism cannot set up on a CPU host (it divides by the accelerator count) and needs
-the sequence to divide by the degree.
+Sequence parallelism (sp > 1): the packed sequence is split over a replica's ranks at the seams
+diffusers' ``_cp_plan`` for the model declares (``runtime.pipelines.minimax_h3_sequence``).
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from common.families import MINIMAX_H3
 from runtime.pipelines.base import DenoiseState, VideoRequest
 from runtime.pipelines.diffusers_video import DiffusersVideoPipeline
+from runtime.pipelines.minimax_h3_sequence import enable_sequence_parallel
 
 # The components the t2va workflow loads from the directory; kiln builds the transformer and the
 # text encoder itself (DLO), and decodes no audio.
@@ -61,6 +60,7 @@ class MiniMaxH3VideoPipeline(DiffusersVideoPipeline):
     """MiniMax-H3 T2V: one forward per step over the prompt, audio and video rows."""
 
     family = MINIMAX_H3
+    enable_sequence_parallel = staticmethod(enable_sequence_parallel)
     text_encoder_blocks: ClassVar[list[str] | None] = ["model.language_model.layers"]
     unused_text_modules: ClassVar[tuple[str, ...]] = ("lm_head", "model.visual")
     # The soundtrack's decoder, and the reference-to-video workflow's second transformer.
