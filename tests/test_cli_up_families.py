@@ -6,6 +6,7 @@ downloaded and decoded; the served frames are the ones a local render of the sam
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 from servers import kiln_up
+from typer.testing import CliRunner
 
+from kiln.cli import app
 from runtime.launch import rank_threads
 from runtime.models.synthetic import SyntheticSpec, make_checkpoint
 from runtime.pipelines.base import VideoRequest
@@ -81,3 +84,13 @@ def test_kiln_up_serves_the_family_end_to_end(tmp_path: Path, family: str) -> No
     frames = _decoded(path)
     assert frames.shape == (body["num_frames"], body["height"], body["width"], 3)
     assert np.array_equal(frames, _local_video(model, body, tmp_path / "local.mp4"))
+
+
+def test_sp_above_1_for_a_family_that_runs_at_sp_1_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text('{"_class_name": "Cosmos3OmniPipeline"}')
+    for command in ("up", "worker"):
+        result = CliRunner().invoke(app, [command, "--model", str(tmp_path), "--sp", "2"])
+        assert result.exit_code == 2, result.output
+        words = " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())  # no error box
+        assert ("Invalid value for --sp: cosmos3 runs at --sp 1; sequence parallelism renders "
+                "kiln-tiny, wan, minimax-h3") in words, words

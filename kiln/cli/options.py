@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from common.families import FAMILIES, TINY_MODEL, family_of
 from runtime.budget import parse_budget
 from scheduler.policy import GOAL_PREFERS
 
@@ -33,8 +34,15 @@ WorldOption = Annotated[int | None, typer.Option(
     show_default=False)]
 
 
-def parse_layout(layout: str, world: int | None, dp: int, sp: int) -> int | None:
-    """The ranks ``--layout auto`` plans for, or None for the layout given."""
+def parse_layout(layout: str, world: int | None, dp: int, sp: int,
+                 model: str = TINY_MODEL) -> int | None:
+    """The ranks ``--layout auto`` plans for, or None for the layout given; ``--sp`` > 1 only
+    for a model whose family splits a job's sequence (`Family.sequence_parallel`)."""
+    family = family_of(model)
+    if sp > 1 and family.pipeline is not None and not family.sequence_parallel:
+        splits = ", ".join(f.name for f in FAMILIES if f.sequence_parallel)
+        raise typer.BadParameter(f"{family.name} runs at --sp 1; sequence parallelism renders "
+                                 f"{splits}", param_hint="--sp")
     if layout not in ("given", "auto"):
         raise typer.BadParameter(f"--layout is 'given' or 'auto', got {layout!r}",
                                  param_hint="--layout")

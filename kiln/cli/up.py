@@ -378,7 +378,7 @@ def up(
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""
     device_budget(budget)  # a bad value is refused before anything starts
     parse_goal(goal)
-    auto_world = parse_layout(layout, world, dp, sp)
+    auto_world = parse_layout(layout, world, dp, sp, model)
     if dp < 1 or sp < 1:
         raise typer.BadParameter(f"--dp and --sp must be >= 1, got dp={dp}, sp={sp}")
     # Here, not at the top: Alembic and SQLAlchemy load only for `kiln up`.

@@ -57,7 +57,7 @@ def worker(
         raise typer.BadParameter(f"--layout auto plans from a profile measured on CPU ranks; on "
                                  f"{device} give --dp and --sp", param_hint="--layout")
     config = WorkerConfig(dp=dp, sp=sp, goal=parse_goal(goal),
-                          auto_world=parse_layout(layout, world, dp, sp),
+                          auto_world=parse_layout(layout, world, dp, sp, model),
                           device_budget=device_budget(budget), model=model,
                           device=device, use_allgather=allgather,
                           drain_seconds=drain_seconds,
