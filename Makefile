@@ -33,6 +33,8 @@ bench: install
 	$(BIN)/python bench/layouts.py
 
 # The reliability soak (not part of `make test`): about 11 minutes on 2 cores; needs PostgreSQL
-# on 127.0.0.1:5432 and redis-server on PATH (it starts a private one).
+# on 127.0.0.1:5432 and redis-server on PATH (it starts a private one). Then the worker group's
+# fault scenarios on both database backends (`make test` runs them on PostgreSQL): about 15 more.
 chaos: install
 	$(BIN)/python bench/chaos.py
+	KILN_FAULTS_ON_EVERY_BACKEND=1 $(BIN)/python -m pytest -q -m fault

@@ -6,6 +6,11 @@ test leaves it empty. PostgreSQL uses a uniquely named database, dropped at the 
 runs do not collide. `redis_prefix` gives each test its own Redis key prefix and deletes those
 keys afterwards.
 
+The worker group's fault scenarios (marked ``fault``: a rank, the launcher or the group killed or
+stopped, Redis, the database or the output store gone) run on PostgreSQL only in ``make test``,
+which keeps the suite's wall time in bounds on two cores; ``KILN_FAULTS_ON_EVERY_BACKEND=1`` (set
+by ``make chaos``) runs them on SQLite too. Everything else runs on both.
+
 Servers: ``KILN_TEST_POSTGRES_URL`` (default postgresql+psycopg://postgres@127.0.0.1:5432/test)
 and ``KILN_TEST_REDIS_URL`` (default redis://127.0.0.1:6379/0). When one is unreachable its tests
 are skipped, except under CI (``CI`` set), where that is an error.
@@ -50,6 +55,18 @@ class Database:
 
     def session(self) -> Session:
         return make_session_factory(self.engine)()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fault scenarios on PostgreSQL only, unless KILN_FAULTS_ON_EVERY_BACKEND is set."""
+    if os.environ.get("KILN_FAULTS_ON_EVERY_BACKEND"):
+        return
+    dropped = [item for item in items if item.get_closest_marker("fault") is not None
+               and getattr(item, "callspec", None) is not None
+               and item.callspec.params.get("db") == "sqlite"]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in set(dropped)]
 
 
 @pytest.fixture(scope="session")

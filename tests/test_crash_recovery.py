@@ -20,6 +20,7 @@ import av
 import httpx
 import numpy as np
 import psutil
+import pytest
 from servers import job_row, serving_api, worker_group
 
 from kiln.tasks import Context, reap_leases
@@ -29,6 +30,10 @@ from scheduler import queue_index
 from storage import lifecycle, queries
 from storage.tables import Job, utcnow
 from storage.video import write_outputs
+
+# A group fault scenario: `make test` runs it on PostgreSQL, `make chaos` on SQLite as well
+# (tests/conftest.py).
+pytestmark = pytest.mark.fault
 
 LEASE = 5  # seconds; the setting's minimum
 # Enough steps that the render is still going when the group is killed (a step takes ~30 ms on

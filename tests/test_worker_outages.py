@@ -18,6 +18,10 @@ from sqlalchemy import make_url, select
 
 from storage.tables import Job
 
+# A group fault scenario: `make test` runs it on PostgreSQL, `make chaos` on SQLite as well
+# (tests/conftest.py).
+pytestmark = pytest.mark.fault
+
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}
 RECOVERY = 30  # seconds: the queue must move again within this of the server coming back
 

@@ -18,6 +18,10 @@ from sqlalchemy import select
 from storage import queries
 from storage.tables import Job
 
+# A group fault scenario: `make test` runs it on PostgreSQL, `make chaos` on SQLite as well
+# (tests/conftest.py).
+pytestmark = pytest.mark.fault
+
 # ~3 s of rendering each on a CPU rank of a dp=2 group: both ranks are busy when one is killed.
 JOB = {"model": "kiln-tiny", "width": 128, "height": 128, "num_frames": 9, "fps": 8,
        "num_inference_steps": 150}

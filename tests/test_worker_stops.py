@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from servers import Service, api_client, job_row, serving_api, wait_job, worker_group
 from sqlalchemy import func, select
 
@@ -19,6 +20,10 @@ from kiln.tasks import Context, reap_leases
 from scheduler import queue_index
 from storage import queries, submission
 from storage.tables import Base, User
+
+# A group fault scenario: `make test` runs it on PostgreSQL, `make chaos` on SQLite as well
+# (tests/conftest.py).
+pytestmark = pytest.mark.fault
 
 DRAIN = 1.0  # seconds the running job has to finish after the SIGTERM
 # Long enough that the job is still running when the SIGTERM comes (a 256x256x17 step takes

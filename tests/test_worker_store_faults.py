@@ -28,6 +28,10 @@ from storage.outputs import thumbnail_key, video_key
 from storage.tables import Job
 from storage.video import read_video
 
+# A group fault scenario: `make test` runs it on PostgreSQL, `make chaos` on SQLite as well
+# (tests/conftest.py).
+pytestmark = pytest.mark.fault
+
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}
 FAULT = 10  # seconds the output directory refuses files
 RECOVERY = 30  # seconds: the queue must move again within this of the store coming back
