@@ -4,13 +4,16 @@ Loading is one path for every family: each transformer (``transformer``, and ``t
 for Wan2.2's two experts) is built on the meta device from its config and handed to
 :func:`runtime.dlo.apply_dlo` with its own directory as the checkpoint, so block weights are
 streamed from the memory-mapped safetensors and never copied whole into any rank. diffusers'
-pipeline class (named in ``model_index.json``) then loads the tokenizer, text encoder, VAE and
-scheduler around those transformers. The offload mechanism knows nothing about the family.
+pipeline class (named in ``model_index.json``; MiniMax-H3: its modular pipeline, ``assemble``)
+then loads the tokenizer, text encoder, VAE and scheduler around those transformers. The offload
+mechanism knows nothing about the family; a family says only what its loop never runs (dropped
+before loading), its text encoder's block lists and its optional components.
 
-What differs per family is the denoising loop, and only that is written here (which loop a model
-gets, and the least size multiple it renders, come from its family in ``common.families``),
-following each reference pipeline operation for operation: ``WanPipeline`` (Wan2.1, Wan2.2 with
-two experts) and ``CogVideoXPipeline``. CogVideoX's output matches its reference bit for bit
+What differs per family is the denoising loop (which loop a model gets, and the least size
+multiple it renders, come from its family in ``common.families``; ``runtime.pipelines.registry``
+maps one to the other), following each reference pipeline operation for operation. Here:
+``WanPipeline`` (Wan2.1, Wan2.2 with two experts) and ``CogVideoXPipeline``; Cosmos3 and
+MiniMax-H3 have modules of their own. CogVideoX's output matches its reference bit for bit
 (CPU, fp32, the same number of CPU threads: kernels split their reductions by thread count), and
 so does Wan's with ``cfg_batch=False``. By default Wan runs its CFG pair as one batch-2 forward
 where ``WanPipeline`` runs two batch-1 forwards (one gather per block per step, not two), which
@@ -57,6 +60,14 @@ class DiffusersVideoPipeline(VideoPipeline):
     max_sequence_length: ClassVar[int] = 512
     #: Whether the loop can run the CFG pair as two batch-1 forwards (``cfg_batch=False``).
     unbatched_cfg: ClassVar[bool] = True
+    #: Modules of the transformer, and of the text encoder, that this loop never runs: dropped
+    #: before the weights load, so no rank holds them.
+    unused_modules: ClassVar[tuple[str, ...]] = ()
+    unused_text_modules: ClassVar[tuple[str, ...]] = ()
+    #: The text encoder's block lists (T5's; None: found by ``runtime.dlo.find_block_lists``).
+    text_encoder_blocks: ClassVar[list[str] | None] = ["encoder.block"]
+    #: Components of the model's index the loop renders without (diffusers' own optional ones).
+    optional_components: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, pipe: Any, handles: Sequence[DLOHandle | None], *,
                  device: torch.device, text_handle: DLOHandle | None = None,
@@ -72,15 +83,6 @@ class DiffusersVideoPipeline(VideoPipeline):
                              if getattr(pipe, n, None) is not None]
         self.decode_free_bytes: int | None = None  # None: measure free memory at decode time
         self.last_decode_plan: Any = None
-
-    #: Modules of the transformer, and of the text encoder, that this loop never runs: dropped
-    #: before the weights load, so no rank holds them.
-    unused_modules: ClassVar[tuple[str, ...]] = ()
-    unused_text_modules: ClassVar[tuple[str, ...]] = ()
-    #: The text encoder's block lists (T5's; None: found by ``runtime.dlo.find_block_lists``).
-    text_encoder_blocks: ClassVar[list[str] | None] = ["encoder.block"]
-    #: Components of ``model_index.json`` the loop renders without (diffusers' own optional ones).
-    optional_components: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def pipeline_kwargs(cls, model_dir: Path) -> dict[str, Any]:
