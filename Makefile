@@ -27,10 +27,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
+# The benchmark suite: bench/REPORT.md with its figures (JSON, PNG) under bench/results/. The
+# other scripts in bench/ each measure one thing against its own baseline, run by hand.
 bench: install
-	$(BIN)/python bench/overhead.py
-	$(BIN)/python bench/coldstart.py
-	$(BIN)/python bench/layouts.py
+	$(BIN)/python bench/suite.py --out bench/results --report bench/REPORT.md
 
 # The reliability soak (not part of `make test`): about 11 minutes on 2 cores; needs PostgreSQL
 # on 127.0.0.1:5432 and redis-server on PATH (it starts a private one). Then the worker group's

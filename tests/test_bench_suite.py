@@ -1,0 +1,28 @@
+"""The benchmark suite's smoke run: every section measures, writes its JSON, draws its plot and
+its part of the report, in seconds (``--quick``: small sizes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_quick_suite_writes_json_a_plot_and_a_report_from_them(tmp_path: Path) -> None:
+    out, report = tmp_path / "results", tmp_path / "REPORT.md"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "suite.py"), "--quick",
+                           "--out", str(out), "--report", str(report)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    assert f"report: {report}" in done.stdout
+    steptime = json.loads((out / "steptime.json").read_text())
+    assert [p["tokens"] for p in steptime["points"]] == [64, 128]
+    assert all(p["ratio_to_resident"]["resident"] == 1.0 for p in steptime["points"])
+    assert (out / "steptime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = report.read_text()
+    assert "![step time against tokens](results/steptime.png)" in text
+    for p in steptime["points"]:  # the table is the JSON's figures
+        assert f"| {p['tokens']} | 1.000 | {p['ratio_to_resident']['fsdp2']:.3f} |" in text
