@@ -155,12 +155,7 @@ def family_of(model: str) -> Family:
     class its index (`model_index_path`) names; `GENERIC` for anything else."""
     if model == TINY_MODEL:
         return TINY
-    path = model_index_path(model)
-    try:
-        index = json.loads(path.read_text()) if path is not None else None
-    except (OSError, ValueError):
-        return GENERIC
-    name = index.get("_class_name") if isinstance(index, dict) else None
+    name = model_index(model).get("_class_name")
     return _BY_DIFFUSERS_CLASS.get(name, GENERIC) if isinstance(name, str) else GENERIC
 
 
@@ -175,6 +170,17 @@ def model_index_path(model: str) -> Path | None:
         if (Path(model) / name).is_file():
             return Path(model) / name
     return None
+
+
+def model_index(model: str) -> dict[str, Any]:
+    """The index of the diffusers model directory ``model`` (its pipeline class, its
+    components); empty when it has none or it cannot be read."""
+    path = model_index_path(model)
+    try:
+        index = json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
 
 
 def latent_shape(width: int, height: int, num_frames: int, *,

@@ -46,7 +46,6 @@ class Cosmos3VideoPipeline(DiffusersVideoPipeline):
     sequences differ in length)."""
 
     family = COSMOS3
-    unbatched_cfg = True
     forwards_per_step = 2
     # What the transformer never runs for video: kept on the meta device, never loaded.
     unused_modules: ClassVar[tuple[str, ...]] = ("lm_head",)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -38,7 +37,7 @@ import torch
 import transformers.utils.logging as tlog
 from diffusers import CogVideoXDPMScheduler
 
-from common.families import COGVIDEOX, FAMILIES, WAN, Family, family_of, model_index_path
+from common.families import COGVIDEOX, FAMILIES, WAN, Family, family_of, model_index
 from runtime.budget import AUTO, DeviceBudget, activation_bytes, resolve_budget
 from runtime.dlo import DLOHandle, apply_dlo
 from runtime.models.loading import build_on_meta
@@ -109,7 +108,7 @@ class DiffusersVideoPipeline(VideoPipeline):
         resident blocks (``runtime.budget``), with activations reserved for a job of
         ``max_tokens`` tokens (default: the family's most)."""
         model_dir = Path(model_dir)
-        index = json.loads(model_index_path(str(model_dir)).read_text())  # type: ignore[union-attr]
+        index = model_index(str(model_dir))
         name = index.get("_class_name", "")
         if not cfg_batch and not cls.unbatched_cfg:
             raise ValueError(f"{cls.family.name} runs its CFG pair as one batch-2 forward only")
@@ -273,12 +272,18 @@ def check_components(model_dir: Path, index: dict[str, Any],
                          "the model directory and downloads nothing")
 
 
-def check_frames(r: VideoRequest, family: Family, temporal: int, multiple: int) -> None:
-    """``temporal`` and ``multiple``: what the loaded model's VAE and patch need; the family's
-    ``size_multiple`` is the least a size must be a multiple of."""
+def check_frames(r: VideoRequest, family: Family, temporal: int, multiple: int,
+                 base: int = 1) -> None:
+    """``temporal`` and ``multiple``: what the loaded model's VAE and patch need (a clip has
+    ``base`` + k x ``temporal`` frames, within the family's ``min_frames`` and ``max_frames``);
+    the family's ``size_multiple`` is the least a size must be a multiple of."""
     multiple = max(family.size_multiple, multiple)
-    if (r.num_frames - 1) % temporal:
-        raise ValueError(f"this model renders 1 + {temporal}k frames, got {r.num_frames}")
+    most = family.max_frames or r.num_frames
+    if (r.num_frames - base) % temporal or not family.min_frames <= r.num_frames <= most:
+        within = (f" from {family.min_frames} to {family.max_frames}" if family.max_frames
+                  else "")
+        raise ValueError(f"this model renders {base} + {temporal}k frames{within}, got "
+                         f"{r.num_frames}")
     if r.height % multiple or r.width % multiple:
         raise ValueError(f"this model renders sizes that are multiples of {multiple}, got "
                          f"{r.width}x{r.height}")

@@ -41,7 +41,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from common.families import MINIMAX_H3
 from runtime.pipelines.base import DenoiseState, VideoRequest
-from runtime.pipelines.diffusers_video import DiffusersVideoPipeline
+from runtime.pipelines.diffusers_video import DiffusersVideoPipeline, check_frames
 from runtime.pipelines.minimax_h3_sequence import enable_sequence_parallel
 
 # The components the t2va workflow loads from the directory; kiln builds the transformer and the
@@ -78,21 +78,12 @@ class MiniMaxH3VideoPipeline(DiffusersVideoPipeline):
                              "log above says why; Qwen3-VL's processor needs torchvision)")
         return pipe
 
-    def _check(self, r: VideoRequest) -> None:
-        p, f = self.pipe, self.family
-        multiple = p.canvas_multiple
-        if r.height % multiple or r.width % multiple:
-            raise ValueError(f"this model renders sizes that are multiples of {multiple}, got "
-                             f"{r.width}x{r.height}")
-        chunk, kept = p.vae_frames_per_chunk, p.vae_latents_per_chunk
-        if r.num_frames % chunk != kept or not f.min_frames <= r.num_frames <= (f.max_frames or 0):
-            raise ValueError(f"this model renders {kept} + {chunk}k frames from {f.min_frames} "
-                             f"to {f.max_frames} (5 s to 15 s at 24 fps), got {r.num_frames}")
-
     @torch.no_grad()
     def prepare(self, request: VideoRequest) -> DenoiseState:
         p, r, dev = self.pipe, request, self.device
-        self._check(r)
+        # 17n + 5 frames (clips of 17 into 5 latents, plus two), on a canvas of VAE x patch.
+        check_frames(r, self.family, p.vae_frames_per_chunk, p.canvas_multiple,
+                     base=p.vae_latents_per_chunk)
         ids = p.tokenizer(r.prompt, add_special_tokens=False)["input_ids"]
         embeds = get_qwen3vl_prompt_embeds(p.text_encoder, p.processor, ids, {},
                                            text_encoder_layer=p.text_encoder_layer, device=dev,

@@ -4,7 +4,6 @@ rank a whole private copy of the model)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import diffusers
 import numpy as np
 import torch
 
-from common.families import COSMOS3, MINIMAX_H3, family_of, model_index_path
+from common.families import COSMOS3, MINIMAX_H3, family_of, model_index
 from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.minimax_h3 import t2v_blocks
 
@@ -24,8 +23,7 @@ def open_reference(model_dir: str | Path) -> Any:
         pipe = t2v_blocks().init_pipeline(str(model_dir))
         pipe.load_components(local_files_only=True)
         return pipe
-    index = model_index_path(str(model_dir))
-    name = json.loads(index.read_text())["_class_name"] if index else ""
+    name = model_index(str(model_dir))["_class_name"]
     extra = {"enable_safety_checker": False} if family_of(str(model_dir)) is COSMOS3 else {}
     pipe = getattr(diffusers, name).from_pretrained(model_dir, local_files_only=True, **extra)
     pipe.set_progress_bar_config(disable=True)

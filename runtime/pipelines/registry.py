@@ -3,11 +3,10 @@ gives in ``pipeline``; and loading a model directory into it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from common.families import FAMILIES, family_of, model_index_path
+from common.families import FAMILIES, family_of, model_index
 from runtime.pipelines.cosmos3 import Cosmos3VideoPipeline
 from runtime.pipelines.diffusers_video import (
     CogVideoXVideoPipeline,
@@ -30,14 +29,8 @@ def load_diffusers(model_dir: str | Path, **kwargs: Any) -> DiffusersVideoPipeli
     if loop is None:
         supported = sorted(c for f in FAMILIES if f.pipeline in PIPELINES
                            for c in f.diffusers_classes)
-        raise ValueError(f"{model_dir}: pipeline {_class_name(Path(model_dir))!r} is not "
-                         f"supported; kiln drives {', '.join(supported)}")
+        name = model_index(str(model_dir)).get("_class_name", "")
+        raise ValueError(f"{model_dir}: pipeline {name!r} is not supported; kiln drives "
+                         f"{', '.join(supported)}")
     return loop.load(model_dir, **kwargs)
 
-
-def _class_name(model_dir: Path) -> str:
-    try:
-        path = model_index_path(str(model_dir))
-        return str(json.loads(path.read_text()).get("_class_name", "")) if path else ""
-    except (OSError, ValueError, AttributeError):
-        return ""
