@@ -150,6 +150,7 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
     # accepted here is what the model's pipeline renders.
     family = admission_family(s, spec.model)
     multiple, stride = size_multiple(s, family), frame_stride(s, family)
+    base, (fewest, most) = family.frame_base, frame_bounds(s, family)
     shape_ok = True
     for field, name, value, bound in ((size_fields[0], "width", spec.width, s.max_width),
                                       (size_fields[1], "height", spec.height, s.max_height)):
@@ -170,9 +171,7 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
         else:
             p.add(frames_field, f"at most {s.max_num_frames} frames, got {spec.num_frames}")
         shape_ok = False
-    elif (spec.num_frames - family.frame_base) % stride or not (
-            frame_bounds(s, family)[0] <= spec.num_frames <= frame_bounds(s, family)[1]):
-        base, (fewest, most) = family.frame_base, frame_bounds(s, family)
+    elif (spec.num_frames - base) % stride or not fewest <= spec.num_frames <= most:
         first = fewest + (base - fewest) % stride  # the fewest that keeps the rule
         last = most - (most - base) % stride  # and the most
         within = f" from {first} to {last}" if fewest > 1 or most < s.max_num_frames else ""
