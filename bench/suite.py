@@ -26,26 +26,16 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import psutil  # noqa: E402
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import steptime  # noqa: E402
+from runtime.planner import machine_description  # noqa: E402
 
 
 def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    model = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(),
-            "memory_bytes": psutil.virtual_memory().total,
-            "python": platform.python_version(), "torch": torch.__version__,
+    """What the figures were measured on: the planner's description of the machine (CPU,
+    cores, memory, torch), with Python, gloo and the date."""
+    return {**machine_description(), "python": platform.python_version(),
             "gloo": dist.is_available() and dist.is_gloo_available(),
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
