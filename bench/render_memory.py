@@ -5,10 +5,15 @@ the rank processes every 0.1 s: PSS splits every shared page (the memory-mapped 
 shared libraries) among the processes that map it, so the sum is the physical memory the ranks
 hold together, counted once. Also reports each rank's peak RSS (which counts shared pages in full
 in every rank) and its DLO host shard, and the same render on a 2-block model of the family
-(what the ranks hold whatever the model: interpreter, torch, diffusers). With ``--naive`` it also
-renders the same prompts with diffusers' own pipeline in N processes, each loading the whole
-model privately (what a user runs without kiln), sampled the same way. With ``--make`` it first
-writes a random-weight checkpoint of the family and size. Prints one JSON document.
+(what the ranks hold whatever the model: interpreter, torch, diffusers). kiln runs in allgather
+mode (each rank keeps its shard) and rank-local mode (on the CPU every block is bound to the
+checkpoint's mapping, which the ranks share). With ``--naive`` it also renders the same prompts
+with diffusers' own pipeline in N processes (what a user runs without kiln), sampled the same way,
+twice: as loaded (diffusers with accelerate computes on the memory-mapped safetensors, so on a
+CPU host the processes share the page cache) and with every weight copied into the process's own
+memory first, the N private copies that each GPU of a naive data-parallel group holds. With
+``--make`` it first writes a random-weight checkpoint of the family and size. Prints one JSON
+document.
 
     python bench/render_memory.py --make --layers 30 --width 1024 --model /tmp/wan-2g --dp 2
         [--text-dim 1024 --text-layers 24]   # a 0.6 GB text encoder as well
@@ -24,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -53,22 +60,32 @@ def _requests(model: str, dp: int, steps: int) -> list[VideoRequest]:
             for i in range(dp)]
 
 
-def _peak_render(model: str, dp: int, steps: int, out: str) -> tuple[int, list]:
+def _peak_render(model: str, dp: int, steps: int, out: str,
+                 use_allgather: bool = True) -> tuple[int, list]:
     samples: list[int] = []
-    reports = render(model, _requests(model, dp, steps), out, dp=dp, on_sample=samples.append)
+    reports = render(model, _requests(model, dp, steps), out, dp=dp, on_sample=samples.append,
+                     use_allgather=use_allgather)
     return max(samples, default=0), reports
 
 
-def _naive_rank(ctx: RankContext, model: str, requests: list[VideoRequest]) -> int:
-    """One rank of the naive baseline: diffusers' pipeline loaded whole, its own request."""
+def _naive_rank(ctx: RankContext, model: str, requests: list[VideoRequest],
+                private: bool) -> int:
+    """One rank of the naive baseline: diffusers' pipeline loaded whole, its own request;
+    ``private``: its weights copied out of the file mapping into this process's memory."""
     pipe = open_reference(model)
+    if private:
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                for t in [*component.parameters(), *component.buffers()]:
+                    t.data = t.data.clone()
     frames = run_reference(pipe, checkpoint_family(model).name, requests[ctx.rank])
     return len(frames)
 
 
-def _peak_naive(model: str, dp: int, steps: int) -> int:
+def _peak_naive(model: str, dp: int, steps: int, private: bool) -> int:
     samples: list[int] = []
-    run_ranks(dp, _naive_rank, model, _requests(model, dp, steps), on_sample=samples.append)
+    run_ranks(dp, _naive_rank, model, _requests(model, dp, steps), private,
+              on_sample=samples.append)
     return max(samples, default=0)
 
 
@@ -97,25 +114,33 @@ def main() -> None:
     started = time.perf_counter()
     peak_pss, reports = _peak_render(args.model, args.dp, args.steps, args.out)
     seconds = time.perf_counter() - started
+    local_pss, _ = _peak_render(args.model, args.dp, args.steps, args.out, use_allgather=False)
     # The same render with a 2-block, width-64 model: what the ranks hold whatever the model
     # (interpreter, torch, diffusers, buffers).
     with tempfile.TemporaryDirectory() as tmp:
         family = checkpoint_family(args.model).name
         small = make_checkpoint(Path(tmp) / "small", SyntheticSpec(family=family))
         baseline, _ = _peak_render(str(small), args.dp, args.steps, str(Path(tmp) / "s.mp4"))
-    naive = _peak_naive(args.model, args.dp, args.steps) if args.naive else None
+    naive = _peak_naive(args.model, args.dp, args.steps, private=False) if args.naive else None
+    private = _peak_naive(args.model, args.dp, args.steps, private=True) if args.naive else None
     result = {
         "checkpoint_bytes": ckpt,
         "dp": args.dp,
-        "peak_summed_pss_bytes": peak_pss,
+        "peak_summed_pss_bytes": peak_pss,  # kiln, allgather
         "peak_summed_pss_over_checkpoint": round(peak_pss / ckpt, 3),
         "baseline_summed_pss_bytes_tiny_model": baseline,
         "model_dependent_bytes": peak_pss - baseline,
         "model_dependent_over_checkpoint": round((peak_pss - baseline) / ckpt, 3),
+        # kiln, rank-local: on the CPU every block bound to the shared mapping.
+        "rank_local_peak_summed_pss_bytes": local_pss,
+        "rank_local_model_dependent_bytes": local_pss - baseline,
         "naive_dp_copies_bytes": args.dp * ckpt,
-        # Measured, when asked: diffusers' own pipeline, a whole private copy in every rank.
+        # Measured, when asked: diffusers' own pipeline in every rank, as loaded (sharing the
+        # mapped files' page cache) and with its weights copied into each process.
         "naive_peak_summed_pss_bytes": naive,
+        "private_copies_peak_summed_pss_bytes": private,
         "naive_over_kiln": round(naive / peak_pss, 2) if naive else None,
+        "private_copies_over_kiln_rank_local": round(private / local_pss, 2) if private else None,
         "seconds": round(seconds, 1),
         "ranks": [{
             "rank": r.rank,

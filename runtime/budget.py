@@ -7,9 +7,10 @@ many blocks resident as its budget holds and streams the rest (``apply_dlo``'s
 
 ``--device-budget`` is ``auto`` (the default), ``none`` or a size. ``auto`` on an accelerator is
 the free device memory once the model's other parts are placed, less what the largest job the
-deployment admits needs for its activations; on the CPU it is none, since host memory is the
-device there and streaming from the one shared mapping of the checkpoint is what keeps a single
-copy of the weights for all ranks (a resident block would be a private copy per rank).
+deployment admits needs for its activations. On the CPU host memory is the device: a rank-local
+rank reading a checkpoint keeps every block resident, bound to the checkpoint's shared mapping
+(one copy for all ranks, no transfer per forward; ``runtime.dlo.engine``); in allgather mode, or
+without a checkpoint to map, a resident block would be a private copy per rank, so none stay.
 """
 
 from __future__ import annotations
@@ -52,15 +53,20 @@ def activation_bytes(tokens: int, width: int, ffn_dim: int, dtype_bytes: int, *,
     return int(1.25 * batch * tokens * (6 * width + 2 * ffn_dim) * dtype_bytes)
 
 
+# A budget every model fits in: keep every block resident.
+EVERYTHING = 2**62
+
+
 def resolve_budget(budget: DeviceBudget, platform: Any, *, activations: int,
-                   parts: int = 1) -> int | None:
+                   parts: int = 1, maps_checkpoint: bool = False) -> int | None:
     """Bytes each of ``parts`` streamed transformers may keep resident on this rank, or None
-    (stream everything)."""
+    (stream everything); ``maps_checkpoint``: the blocks come from a checkpoint in rank-local
+    mode, so on the CPU a resident block is the shared mapping, not a copy."""
     if budget is None:
         return None
     if budget == AUTO:
         if not platform.is_accelerator:
-            return None
+            return EVERYTHING if maps_checkpoint else None
         free, _ = platform.mem_get_info()
         return max(0, free - activations) // parts
     if not isinstance(budget, int) or budget < 0:

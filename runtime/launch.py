@@ -293,10 +293,27 @@ def _root_cause(messages: Any, wait_s: float = 2.0) -> ValueError | None:
 
 
 def _summed_pss(procs: list[Any]) -> int:
-    total = 0
-    for p in procs:
-        try:
-            total += psutil.Process(p.pid).memory_full_info().pss
-        except (psutil.Error, AttributeError):
-            pass
-    return total
+    """The ranks' PSS, summed: the host memory they hold together, each page counted once.
+
+    The readings are not one snapshot: when a rank unmaps a shared file between two of them
+    (at exit, say), the other rank's share of those pages grows to all of them, and a sum
+    read in that order counts them one and a half times. A page that moves between ranks
+    moves one way, so the sum read in the reverse order does not; the lower sum is kept.
+    """
+    forward = [_pss(p.pid) for p in procs]
+    backward = [_pss(p.pid) for p in reversed(procs)]
+    return min(sum(forward), sum(backward))
+
+
+def _pss(pid: int) -> int:
+    """One process's PSS from the kernel's one-line rollup (parsing the full smaps takes long
+    enough for other ranks to map pages meanwhile); 0 once it has gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        return psutil.Process(pid).memory_full_info().pss
+    except (psutil.Error, AttributeError):
+        return 0

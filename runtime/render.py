@@ -70,6 +70,16 @@ def load_pipeline(model: str, *, group: Any = None, device: Any = None,
                           sequence=sequence, device_budget=device_budget, max_tokens=max_tokens)
 
 
+def weight_bytes(model: str) -> int:
+    """Bytes of every safetensors file of a model (a diffusers directory's components, or
+    kiln-tiny's weights): what one private copy of it holds."""
+    if family_of(model) is TINY:
+        from runtime.models.tiny import TRAINED_WEIGHTS
+
+        return TRAINED_WEIGHTS.stat().st_size
+    return sum(f.stat().st_size for f in Path(model).rglob("*.safetensors"))
+
+
 def output_path(out: str | os.PathLike[str], index: int) -> Path:
     """The first request writes ``out``; request i > 0 writes ``<stem>-<i><suffix>``."""
     out = Path(out)

@@ -50,14 +50,15 @@ def render(
         help="Ranks per replica: each prompt's token sequence is split over them "
              "(sequence parallelism); dp x sp CPU ranks in all.")] = 1,
     rank_local: Annotated[bool, typer.Option(
-        help="Each rank streams whole blocks instead of sharding them.")] = False,
+        help="Each rank reads whole blocks instead of sharding them; on the CPU they stay "
+             "bound to the checkpoint's mapping, one copy that all ranks share.")] = False,
     budget: DeviceBudgetOption = "auto",
 ) -> None:
     """Render videos with DLO, without the service, and write MP4 + PNG thumbnail."""
     # Here, not at the top: torch and the model code load only for the commands that render.
     from runtime.launch import RankFailure
     from runtime.pipelines.base import VideoRequest
-    from runtime.render import output_path
+    from runtime.render import output_path, weight_bytes
     from runtime.render import render as run_render
 
     console = Console(stderr=True)
@@ -96,16 +97,26 @@ def render(
     if pss_samples:
         # PSS splits shared pages (the mapped checkpoint, libraries) among the ranks mapping
         # them, so the sum counts every page once: the host memory the ranks hold together.
-        typer.echo(f"host memory, {dp * sp} ranks together (summed PSS): peak "
+        ranks = dp * sp
+        weights = weight_bytes(model)
+        typer.echo(f"host memory, {ranks} ranks together (summed PSS): peak "
                    f"{_size(max(pss_samples))}; per rank peak RSS: "
                    + ", ".join(_size(r.peak_rss_bytes) for r in reports)
-                   + "; per rank DLO host shard: "
-                   + ", ".join(_size(r.dlo.get("host_shard_bytes", 0)) for r in reports))
+                   + "; per rank blocks: " + ", ".join(_blocks_held(r.dlo) for r in reports))
+        typer.echo(f"model weights {_size(weights)}: {ranks} private copies would hold "
+                   f"{_size(ranks * weights)} before any rank's own memory")
     missing = [str(output_path(out, i)) for i in range(len(requests))
                if not any(r.out == str(output_path(out, i)) for r in reports)]
     if missing:
         console.print(f"[red]error:[/red] no output for {missing}")
         raise typer.Exit(1)
+
+
+def _blocks_held(dlo: dict) -> str:
+    """Where a rank's transformer blocks live, from its DLO handle's stats."""
+    if dlo.get("mapped_blocks"):
+        return "bound to the shared checkpoint mapping"
+    return f"host shard {_size(dlo.get('host_shard_bytes', 0))}"
 
 
 @app.command("make-checkpoint")

@@ -21,6 +21,12 @@ mode, a copy from the source in rank-local mode) into device buffers of their ow
 there for the life of the handle; only the others stream, and the slab keeps only their shards.
 Every rank of the group uses the same k, the smallest any rank asked for. With every block
 resident there are no slots, no transfers and no gathers per forward.
+
+Mapped blocks: on the CPU the device is host memory, and a rank-local resident block read from a
+checkpoint needs no buffer at all: its tensors are bound to the checkpoint's file mapping itself,
+the pages every rank of the host shares through the page cache. So on the CPU a rank-local group
+with every block resident holds one copy of the weights in all, no copy per rank, and does no
+transfer per forward (``runtime.budget``'s ``auto`` asks for that on the CPU).
 """
 
 from __future__ import annotations
@@ -206,8 +212,11 @@ class DLOHandle:
         self._placeholders = {
             e.name: self._placeholder(e) for lay in layouts for e in lay.entries
         }
+        # On the CPU a rank-local resident block is the checkpoint's mapping (module docstring).
+        self._mapped = (not config.use_allgather and not platform.is_accelerator
+                        and source.checkpoint is not None)
         self._resident_bufs = [platform.empty_device(lay.padded_bytes)
-                               for lay in layouts[:resident_blocks]]
+                               for lay in layouts[:resident_blocks]] if not self._mapped else []
         self._slab: torch.Tensor | None = None
         self._shards: list[torch.Tensor | None] = []
         if config.use_allgather:
@@ -223,9 +232,10 @@ class DLOHandle:
                        if self._streamed else [])
         self._slot_free: list[Any] = [None, None]  # compute-stream events: slot no longer read
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        for lay, buf in zip(layouts[:resident_blocks], self._resident_bufs, strict=True):
+        for lay in layouts[:resident_blocks]:
             # Bound once, for the life of the handle: no hooks, never unbound before close().
-            views = _make_views(lay, buf)
+            views = (self._mapped_views(lay) if self._mapped
+                     else _make_views(lay, self._resident_bufs[lay.index]))
             for e in lay.entries:
                 _set_tensor(e, views[e.name])
         self._side_stream = platform.new_stream()
@@ -286,8 +296,20 @@ class DLOHandle:
                 self._num_gathers += 1
         return slab, shards
 
+    def _mapped_views(self, lay: BlockLayout) -> dict[str, torch.Tensor]:
+        """Each tensor of block ``lay`` as the checkpoint's own mapped tensor (CPU, rank-local)."""
+        assert self._source.checkpoint is not None
+        views: dict[str, torch.Tensor] = {}
+        for e in lay.entries:
+            t = self._source.checkpoint.tensor(e.name)
+            views[e.name] = nn.Parameter(t, requires_grad=False) if e.is_param else t
+        return views
+
     def _fill_resident_whole(self) -> None:
-        """Rank-local mode: copy each resident block whole from the source into its buffer."""
+        """Rank-local mode: copy each resident block whole from the source into its buffer
+        (mapped blocks need no copy: they are bound to the checkpoint in ``__init__``)."""
+        if self._mapped:
+            return
         for lay, buf in zip(self._layouts[: self._num_resident], self._resident_bufs,
                             strict=True):
             buf.zero_()
@@ -492,9 +514,8 @@ class DLOHandle:
         blocks, how many stay resident, the device bytes their buffers take (the resident
         blocks and the two slots) and the model's own size (its blocks, unsharded, and the
         tensors kept resident beside them)."""
-        resident = sum(lay.padded_bytes for lay in self._layouts[: self._num_resident])
         return {"num_blocks": len(self._layouts), "resident_blocks": self._num_resident,
-                "device_weight_buffer_bytes": resident + 2 * self._max_streamed_bytes,
+                "device_weight_buffer_bytes": self._buffer_bytes(),
                 "model_bytes": self._resident_bytes + sum(lay.padded_bytes
                                                           for lay in self._layouts)}
 
@@ -513,7 +534,7 @@ class DLOHandle:
         return {
             "num_blocks": len(self._layouts),
             "max_block_bytes": self._max_block_bytes,
-            "device_weight_buffer_bytes": resident_block_bytes + 2 * self._max_streamed_bytes,
+            "device_weight_buffer_bytes": self._buffer_bytes(),
             "resident_bytes": self._resident_bytes,
             "resident_blocks": self._num_resident,
             "resident_block_bytes": resident_block_bytes,
@@ -523,7 +544,15 @@ class DLOHandle:
             "gather_seconds": self._gather_seconds,
             "wait_seconds": self._wait_seconds,
             "mode": "allgather" if self.config.use_allgather else "rank-local",
+            "mapped_blocks": self._num_resident if self._mapped else 0,
         }
+
+    def _buffer_bytes(self) -> int:
+        """Bytes of this rank's own block buffers: the resident blocks' (none when they are
+        the checkpoint's mapping) and the two slots."""
+        resident = 0 if self._mapped else sum(
+            lay.padded_bytes for lay in self._layouts[: self._num_resident])
+        return resident + 2 * self._max_streamed_bytes
 
     def close(self) -> None:
         """Release the slots, the host slab, the hooks and the weight group."""

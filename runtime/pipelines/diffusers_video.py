@@ -130,7 +130,8 @@ class DiffusersVideoPipeline(VideoPipeline):
             # dtype before DLO swaps the block parameters for placeholders.
             model._kiln_dtype = next(model.parameters()).dtype
             budget = resolve_budget(device_budget, get_platform(dev), parts=len(names),
-                                    activations=_activations(model, model_dir, tokens, sequence))
+                                    activations=_activations(model, model_dir, tokens, sequence),
+                                    maps_checkpoint=not use_allgather)
             handles.append(apply_dlo(model, checkpoint=model_dir / tname, group=group,
                                      use_allgather=use_allgather, device=dev,
                                      device_budget_bytes=budget))
@@ -142,15 +143,20 @@ class DiffusersVideoPipeline(VideoPipeline):
         # The text encoder (Wan's UMT5-XXL: 5.7 B parameters) streams its blocks too, but
         # rank-local: a rank encodes its job's prompt when it admits the job, so its forwards
         # are not in step with the other ranks' and must not wait on gathers. The ranks still
-        # share one copy of its weights, the checkpoint's page cache.
+        # share one copy of its weights, the checkpoint's page cache; on the CPU its blocks are
+        # bound to that mapping for good (``runtime.budget``).
         text_handle = None
         text_dir = model_dir / "text_encoder"
         if (text_dir / "config.json").is_file():
             encoder = build_on_meta(text_dir)
             _drop(encoder, cls.unused_text_modules)
             encoder._kiln_dtype = next(encoder.parameters()).dtype
+            platform = get_platform(dev)
+            text_budget = (None if platform.is_accelerator else resolve_budget(
+                device_budget, platform, activations=0, maps_checkpoint=True))
             text_handle = apply_dlo(encoder, checkpoint=text_dir, blocks=cls.text_encoder_blocks,
-                                    group=group, use_allgather=False, device=dev)
+                                    group=group, use_allgather=False, device=dev,
+                                    device_budget_bytes=text_budget)
             transformers["text_encoder"] = encoder
         with _quiet_loading():
             pipe = cls.assemble(model_dir, name, transformers)

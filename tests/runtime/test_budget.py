@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from runtime.budget import AUTO, activation_bytes, parse_budget, resolve_budget
+from runtime.budget import AUTO, EVERYTHING, activation_bytes, parse_budget, resolve_budget
 from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.tiny import TinyPipeline
 
@@ -31,9 +31,12 @@ def test_budgets_are_auto_none_or_a_size():
         parse_budget("12XB")
 
 
-def test_auto_keeps_nothing_resident_on_the_cpu_and_the_rest_of_free_memory_on_a_device():
+def test_auto_on_the_cpu_maps_every_block_or_none_and_a_device_keeps_what_is_free():
     cpu = FakeAccelerator(free=10**9, is_accelerator=False)
-    assert resolve_budget(AUTO, cpu, activations=0) is None
+    assert resolve_budget(AUTO, cpu, activations=0) is None  # a resident block: a private copy
+    # Rank-local from a checkpoint: a resident block is the shared mapping, so all of them.
+    assert resolve_budget(AUTO, cpu, activations=0, maps_checkpoint=True) == EVERYTHING
+    assert resolve_budget(None, cpu, activations=0, maps_checkpoint=True) is None
     gpu = FakeAccelerator(free=10 * 2**30)
     assert resolve_budget(AUTO, gpu, activations=2 * 2**30) == 8 * 2**30
     assert resolve_budget(AUTO, gpu, activations=2 * 2**30, parts=2) == 4 * 2**30  # two experts

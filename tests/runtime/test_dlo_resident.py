@@ -267,7 +267,7 @@ def test_bad_values_are_value_errors(kwargs: dict[str, Any], needle: str) -> Non
 
 
 def test_resident_blocks_load_from_a_checkpoint_in_one_process(tmp_path: Path) -> None:
-    """One CPU process streams rank-local: resident blocks are copied from the mapping."""
+    """One CPU process, rank-local: resident blocks are the checkpoint's mapping, not copies."""
     path = tmp_path / "uneven.safetensors"
     reference = build("uneven", torch.float32)
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(path))
@@ -278,4 +278,13 @@ def test_resident_blocks_load_from_a_checkpoint_in_one_process(tmp_path: Path) -
         assert torch.equal(reference(x), model(x))
         assert torch.equal(reference(x), model(x))
     assert handle.num_acquired == 2 * 3
+    stats = handle.stats()
+    assert stats["mapped_blocks"] == 2
+    # Only the two slots are this rank's own; the resident blocks live in the file's pages.
+    assert stats["device_weight_buffer_bytes"] == 2 * max(
+        lay.padded_bytes for lay in handle._layouts[2:])
+    mapping = handle._source.checkpoint.files[0]._bytes
+    lo, hi = mapping.data_ptr(), mapping.data_ptr() + mapping.numel()
+    block = next(iter(model.get_submodule(handle._layouts[0].path).parameters()))
+    assert lo <= block.data_ptr() < hi
     handle.close()

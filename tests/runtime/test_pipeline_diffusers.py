@@ -93,15 +93,15 @@ def test_dlo_render_equals_the_diffusers_pipeline_bit_for_bit(model_dirs, name):
         # The blocks really are streamed: outside a forward they hold no memory.
         for t in pipe.transformers:
             assert all(p.is_meta for p in t.get_submodule(BLOCKS[name]).parameters())
-        # So are the text encoder's, rank-local (a rank encodes its prompt on its own).
+        # The text encoder's are rank-local (a rank encodes its prompt on its own); on the CPU
+        # they are bound to the checkpoint's mapping, which every rank shares: no buffer at all.
         if TEXT_BLOCKS[name] is None:
             assert pipe.text_handle is None
         else:
-            encoder = pipe.pipe.text_encoder
-            assert all(p.is_meta for p in encoder.get_submodule(TEXT_BLOCKS[name]).parameters())
             stats = pipe.text_handle.stats()
             assert stats["mode"] == "rank-local"
-            assert stats["device_weight_buffer_bytes"] == 2 * stats["max_block_bytes"]
+            assert stats["mapped_blocks"] == stats["num_blocks"] > 0
+            assert stats["device_weight_buffer_bytes"] == 0
         frames = pipe.generate(REQUESTS.get(name, REQUEST)).numpy()
     finally:
         pipe.close()
@@ -146,12 +146,15 @@ def test_two_ranks_with_allgather_equal_the_diffusers_pipeline(model_dirs, name)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["allgather", "rank-local"])
 @pytest.mark.parametrize("name", ["cosmos3", "minimax-h3"])
-def test_two_ranks_each_rendering_a_job_equal_the_diffusers_pipeline(model_dirs, name):
-    # Both ranks render, each its own prompt and seed, sharing one sharded copy of the blocks.
+def test_two_ranks_each_rendering_a_job_equal_the_diffusers_pipeline(model_dirs, name, mode):
+    # Both ranks render, each its own prompt and seed, sharing one copy of the blocks: sharded
+    # (allgather), or on the CPU the checkpoint's mapping, bound once (rank-local).
     base = REQUESTS.get(name, REQUEST)
     requests = [base, dataclasses.replace(base, prompt="a blue cat flying over the sea", seed=7)]
-    frames = generate_on_ranks(str(model_dirs[name]), requests, dp=2)
+    frames = generate_on_ranks(str(model_dirs[name]), requests, dp=2,
+                               use_allgather=mode == "allgather")
     threads = torch.get_num_threads()
     torch.set_num_threads(rank_threads(2))
     try:
