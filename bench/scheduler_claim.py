@@ -18,6 +18,7 @@ Redis index (keys, bytes, entries against queued jobs in the database) before an
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import secrets
@@ -112,7 +113,8 @@ class TimedClaims:
             self.seconds += time.perf_counter() - start
 
 
-def run(url: str, r: redis.Redis, args: argparse.Namespace) -> None:
+def run(url: str, r: redis.Redis, args: argparse.Namespace) -> dict:
+    """Fill the queue, time the claims; print the figures and return them."""
     engine = make_engine(url)
     factory = make_session_factory(engine)
     prefix = f"kilnbench:{secrets.token_hex(4)}:"
@@ -121,8 +123,8 @@ def run(url: str, r: redis.Redis, args: argparse.Namespace) -> None:
     try:
         start = time.perf_counter()
         fill(factory, r, prefix, args.jobs, args.users, now, rng)
-        print(f"wrote {args.jobs} queued jobs from {args.users} users in "
-              f"{time.perf_counter() - start:.1f} s")
+        fill_seconds = time.perf_counter() - start
+        print(f"wrote {args.jobs} queued jobs from {args.users} users in {fill_seconds:.1f} s")
         times: list[float] = []
         db_times: list[float] = []
         timed = TimedClaims()
@@ -179,6 +181,13 @@ def run(url: str, r: redis.Redis, args: argparse.Namespace) -> None:
             rec = queue_index.reconcile(s, r, prefix)
         print(f"  reconcile afterwards: {rec.added} queued jobs were missing from the index, "
               f"{rec.removed} stale entries")
+        return {"jobs": args.jobs, "users": args.users, "calls": len(times),
+                "fill_seconds": round(fill_seconds, 2), "first_call_seconds": first,
+                "median_ms": statistics.median(times) * 1e3, "p90_ms": q[89] * 1e3,
+                "p99_ms": q[98] * 1e3, "database_median_ms": statistics.median(db_times) * 1e3,
+                "index_and_policy_median_ms": statistics.median(rest) * 1e3,
+                "one_row_commit_median_ms": statistics.median(floor) * 1e3,
+                "reconcile_added": rec.added, "reconcile_removed": rec.removed}
     finally:
         keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
         for start in range(0, len(keys), 1000):
@@ -196,18 +205,19 @@ def main() -> None:
     parser.add_argument("--database-url", help="an empty, migrated database (default: a fresh "
                         "one, dropped afterwards)")
     parser.add_argument("--redis-url", default=REDIS_URL)
+    parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
     if args.jobs < 1 or args.users < 2 or args.claims < 2:
         raise SystemExit("--jobs must be >= 1, --users and --claims >= 2")
     r = redis.Redis.from_url(args.redis_url)
     print(f"{args.backend}, Redis {r.info('server')['redis_version']}")
     if args.database_url:
-        run(args.database_url, r, args)
+        figures = run(args.database_url, r, args)
     elif args.backend == "sqlite":
         with tempfile.TemporaryDirectory() as tmp:
             url = f"sqlite:///{tmp}/kiln.db"
             migrations.upgrade(url)
-            run(url, r, args)
+            figures = run(url, r, args)
     else:
         name = f"kiln_bench_{secrets.token_hex(4)}"
         admin = create_engine(make_url(POSTGRES_URL).set(database="postgres"),
@@ -217,11 +227,13 @@ def main() -> None:
         try:
             url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
             migrations.upgrade(url)
-            run(url, r, args)
+            figures = run(url, r, args)
         finally:
             with admin.connect() as conn:
                 conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
             admin.dispose()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"backend": args.backend, **figures}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""Step time against tokens at dp=2: a resident copy per rank, PyTorch FSDP2, kiln allgather and
-kiln rank-local, as ratios to resident, measured side by side.
+"""Step time against tokens at dp=2: a resident copy per rank, PyTorch FSDP2, kiln allgather,
+kiln rank-local streamed and kiln rank-local mapped, as ratios to resident, side by side.
 
 Each of two CPU ranks (gloo, half the cores each) builds one DiT-shaped model (``bench.dit``;
-by default width 1024 and 12 blocks in fp32, 0.6 GB) four ways from the same weights: a resident
+by default width 1024 and 12 blocks in fp32, 0.6 GB) five ways from the same weights: a resident
 copy, ``fully_shard`` per block and at the root (FSDP2, each rank a half of every block,
 gathered before the block runs), ``apply_dlo`` in allgather mode (each rank a half, gathered
-into two fixed slots, the next block's gather overlapping this block's compute) and in
-rank-local mode (each rank streams whole blocks from its own copy through the slots). Each rank
-runs its own input, as a data-parallel rank renders its own job, through the four in rotation
-(A B C D A B C D ...) so that drift in the machine's load hits all alike; every forward starts
+into two fixed slots, the next block's gather overlapping this block's compute), in rank-local
+mode streaming (each rank copies whole blocks from its own copy through the slots: what a
+rank-local rank does on an accelerator) and in rank-local mode mapped (every block bound to one
+safetensors file that both ranks map: what a rank-local rank reading a checkpoint does on the
+CPU, one copy in the page cache for both). Each rank runs its own input, as a data-parallel rank
+renders its own job, through the five in rotation (A B C D E A B C D E ...) so that drift in the
+machine's load hits all alike; every forward starts
 at a barrier. A figure is the median of a mode's forwards at one token count, the slowest
 rank's (the ranks step together), and the best of ``--passes`` passes; a ratio is a mode's
 figure over resident's from the same pass.
@@ -25,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,18 +37,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from bench.dit import DiT  # noqa: E402
+from runtime.budget import EVERYTHING  # noqa: E402
 from runtime.dlo import apply_dlo  # noqa: E402
 from runtime.launch import RankContext, run_ranks  # noqa: E402
 
-MODES = ("resident", "fsdp2", "kiln-allgather", "kiln-rank-local")
+MODES = ("resident", "fsdp2", "kiln-allgather", "kiln-rank-local", "kiln-mapped")
 
 
-def _models(width: int, blocks: int, world: int) -> tuple[dict[str, Any], list[Any]]:
-    """The four forms of one model (same weights on every rank and in every form)."""
+def _models(width: int, blocks: int, world: int,
+            checkpoint: Path) -> tuple[dict[str, Any], list[Any]]:
+    """The five forms of one model (same weights on every rank and in every form); rank 0
+    writes the weights to ``checkpoint`` for the mapped form."""
     torch.manual_seed(0)
     resident = DiT(width, blocks).eval().requires_grad_(False)
     fsdp = copy.deepcopy(resident)
@@ -53,15 +61,21 @@ def _models(width: int, blocks: int, world: int) -> tuple[dict[str, Any], list[A
         fully_shard(block, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     allgather, local = copy.deepcopy(resident), copy.deepcopy(resident)
+    mapped = copy.deepcopy(resident)
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in resident.state_dict().items()}, str(checkpoint))
+    dist.barrier()
     handles = [apply_dlo(allgather, device="cpu", use_allgather=True),
-               apply_dlo(local, device="cpu", use_allgather=False)]
+               apply_dlo(local, device="cpu", use_allgather=False),
+               apply_dlo(mapped, checkpoint=checkpoint, device="cpu", use_allgather=False,
+                         device_budget_bytes=EVERYTHING)]
     return ({"resident": resident, "fsdp2": fsdp, "kiln-allgather": allgather,
-             "kiln-rank-local": local}, handles)
+             "kiln-rank-local": local, "kiln-mapped": mapped}, handles)
 
 
 def _rank(ctx: RankContext, tokens: list[int], width: int, blocks: int, reps: int,
-          passes: int) -> dict[str, Any]:
-    models, handles = _models(width, blocks, ctx.world)
+          passes: int, checkpoint: str) -> dict[str, Any]:
+    models, handles = _models(width, blocks, ctx.world, Path(checkpoint))
     times: dict[tuple[int, int, str], list[float]] = {}
     with torch.no_grad():
         for n in tokens:
@@ -84,7 +98,9 @@ def _rank(ctx: RankContext, tokens: list[int], width: int, blocks: int, reps: in
 
 
 def run(tokens: list[int], width: int, blocks: int, reps: int, passes: int) -> dict[str, Any]:
-    per_rank = run_ranks(2, _rank, tokens, width, blocks, reps, passes, timeout_s=3600)
+    with tempfile.TemporaryDirectory(prefix="kiln-steptime-") as tmp:
+        per_rank = run_ranks(2, _rank, tokens, width, blocks, reps, passes,
+                             str(Path(tmp) / "dit.safetensors"), timeout_s=3600)
     result: dict[str, Any] = {"dp": 2, "width": width, "blocks": blocks, "dtype": "float32",
                               "model_bytes": sum(p.numel() * 4 for p in
                                                  DiT(width, 1).blocks[0].parameters()) * blocks,
@@ -123,6 +139,10 @@ def findings(points: list[dict[str, Any]]) -> list[str]:
                        f"{n} tokens is too short to hide its gather (a collective over gloo "
                        "between processes), while a rank-local block is a copy within the "
                        "process's own memory")
+        if r["kiln-mapped"] > 1.05:
+            out.append(f"at {n} tokens kiln mapped ({r['kiln-mapped']:.2f}x) is slower than "
+                       "resident although no block moves: both ranks compute on the same "
+                       "pages, and their reads meet in the shared caches")
     if len(points) > 1:
         first, last = points[0], points[-1]
         ratio = [p["ratio_to_resident"]["kiln-allgather"] for p in (first, last)]

@@ -4,8 +4,10 @@ benchmark beside a report with tables and plots.
     python bench/suite.py [--out bench/results] [--report bench/REPORT.md] [--quick]
 
 The report opens with the machine it ran on; every number in it comes from this run's JSON.
-Sections so far: step time against tokens at dp=2 (``bench/steptime.py``). ``--quick``: small
-sizes, for a smoke run in seconds.
+Sections so far: step time against tokens at dp=2 (``bench/steptime.py``), request tiling
+(``bench/tiling.py``) and the service (``bench/submit.py``, ``bench/service_latency.py``,
+``bench/scheduler_claim.py``; they need PostgreSQL and Redis as the tests do). ``--quick``: small
+sizes, for a smoke run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -30,6 +33,8 @@ import torch.distributed as dist  # noqa: E402
 
 from bench import steptime  # noqa: E402
 from runtime.planner import machine_description  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
 
 
 def machine() -> dict[str, Any]:
@@ -63,10 +68,17 @@ def _steptime_section(result: dict[str, Any], plot: str) -> list[str]:
     lines = ["## Step time against tokens (dp=2)", "",
              f"Each rank runs its own input through the same model ({result['blocks']} blocks "
              f"of width {result['width']}, fp32, {result['model_bytes'] / 1e9:.2f} GB) held "
-             "four ways, in rotation; the figure is the forward time over the resident copy's "
+             "five ways, in rotation; the figure is the forward time over the resident copy's "
              f"in the same pass (best of {result['passes']} passes, median of {result['reps']} "
              f"forwards each, the slower rank's; torch threads per rank: "
-             f"{result['threads_per_rank']}).",
+             f"{result['threads_per_rank']}).", "",
+             "- resident: a whole copy per rank;",
+             "- fsdp2: PyTorch's `fully_shard` per block, half of every block per rank;",
+             "- kiln-allgather: half of every block per rank, gathered into two fixed slots;",
+             "- kiln-rank-local: whole blocks copied from the rank's own copy through the "
+             "slots (rank-local on an accelerator);",
+             "- kiln-mapped: every block bound to one safetensors file both ranks map "
+             "(what rank-local does with a checkpoint on the CPU).",
              "", f"![step time against tokens]({plot})", "",
              "| tokens | " + " | ".join(steptime.MODES) + " | resident s |",
              "|---:|" + "---:|" * (len(steptime.MODES) + 1)]
@@ -76,6 +88,111 @@ def _steptime_section(result: dict[str, Any], plot: str) -> list[str]:
             + f" | {p['seconds']['resident']:.3f} |")
     lines += ["", "Where kiln loses, and why:", ""]
     lines += [f"- {f}" for f in result["findings"]] or ["- nowhere in this run"]
+    return lines + [""]
+
+
+# Benchmarks that run as scripts of their own (each starts its own processes, services or
+# databases): name -> (script and arguments, the same for --quick). Each prints, or writes with
+# --json, one JSON document, kept as <name>.json.
+SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
+    "tiling": (["tiling.py", "--frames", "9", "33", "65", "129"],
+               ["tiling.py", "--size", "64x64", "--frames", "9", "17"]),
+    "submit": (["submit.py", "--spawn", "--clients", "50", "--requests", "3000", "--repeat",
+                "2"], ["submit.py", "--spawn", "--clients", "8", "--requests", "200"]),
+    "service_latency": (["service_latency.py", "--dp", "1", "--jobs", "12"],
+                        ["service_latency.py", "--dp", "1", "--jobs", "3", "--warmup", "1"]),
+    "claim": (["scheduler_claim.py", "--jobs", "100000", "--claims", "300", "--json", "{json}"],
+              ["scheduler_claim.py", "--jobs", "2000", "--claims", "20", "--json", "{json}"]),
+}
+
+
+def run_script(name: str, out: Path, quick: bool) -> dict[str, Any]:
+    """Run one script benchmark in a process of its own; its JSON, also written to
+    ``out/<name>.json``."""
+    full, small = SCRIPTS[name]
+    dest = out / f"{name}.json"
+    argv = [a.replace("{json}", str(dest)) for a in (small if quick else full)]
+    proc = subprocess.run([sys.executable, str(BENCH / argv[0]), *argv[1:]], text=True,
+                          capture_output=True, cwd=BENCH.parent)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench/{argv[0]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    if "{json}" in (small if quick else full):
+        result = json.loads(dest.read_text())
+    else:
+        # The JSON document it printed (some print a line or two of context first).
+        lines = proc.stdout.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("{"))
+        result = json.loads("\n".join(lines[start:]))
+    result["command"] = "python bench/" + " ".join(
+        "OUT.json" if a == str(dest) else a for a in argv)
+    dest.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _tiling_plot(result: dict[str, Any], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for mode in ("untiled", "tiled"):
+        pts = result[mode]
+        ax.plot([p["frames"] for p in pts], [p["transient_bytes"] / 2**20 for p in pts],
+                marker="o", label=mode)
+    ax.set_xlabel("frames")
+    ax.set_ylabel("decode transient peak, MiB")
+    ax.set_title(f"{result['stage']}, {result['size']}; tiled: "
+                 f"{result['simulated_free_bytes_tiled'] / 2**20:.0f} MiB free")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _tiling_section(result: dict[str, Any], plot: str) -> list[str]:
+    lines = ["## Request tiling: transient peak against frames", "",
+             f"{result['stage']} at {result['size']}, each point in a fresh process: the peak "
+             "resident memory during the decode over what was held before it, less the output "
+             "frames themselves. Untiled decodes in one pass; tiled plans tiles for a device "
+             f"with {result['simulated_free_bytes_tiled'] / 2**20:.0f} MiB free "
+             f"(`{result['command']}`).", "", f"![tiling]({plot})", "",
+             "| frames | untiled MiB | tiled MiB | tiles |", "|---:|---:|---:|---:|"]
+    for u, t in zip(result["untiled"], result["tiled"], strict=True):
+        lines.append(f"| {u['frames']} | {u['transient_bytes'] / 2**20:.1f} | "
+                     f"{t['transient_bytes'] / 2**20:.1f} | {t['num_tiles']} |")
+    return lines + [""]
+
+
+def _service_section(submit: dict[str, Any], latency: dict[str, Any],
+                     claim: dict[str, Any]) -> list[str]:
+    lines = ["## Service", "",
+             f"Submits: {submit['clients']} concurrent clients POST /v1/jobs against "
+             f"`kiln api --workers {submit['api_workers']}` on {submit['backend']} "
+             f"(`{submit['command']}`), {submit['requests']} requests a run:", "",
+             "| run | submits/s | p50 ms | p90 ms | p99 ms | failures |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for i, r in enumerate(submit["runs"], 1):
+        lines.append(f"| {i} | {r['submits_per_s']:.0f} | {r['p50_ms']:.1f} | "
+                     f"{r['p90_ms']:.1f} | {r['p99_ms']:.1f} | {sum(r['failures'].values())} |")
+    lines += ["", f"End-to-end overhead per job: tiny kiln-tiny jobs submitted one after another "
+              f"to an API and a `kiln worker` on {latency['backend']} "
+              f"(`{latency['command']}`); overhead is submit -> succeeded seen, less the "
+              "render time the worker recorded:", "",
+              "| dp | jobs | overhead median ms | p90 ms | submit ms | queue wait ms | "
+              "seen lag ms | in-worker ms | render ms |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in latency["results"]:
+        m = r["median_ms"]
+        lines.append(f"| {r['dp']} | {r['num_jobs']} | {r['overhead_ms']['median']} | "
+                     f"{r['overhead_ms']['p90']} | {m['submit_ms']} | {m['queue_wait_ms']} | "
+                     f"{m['seen_lag_ms']} | {r['in_worker_ms_median']} | {m['render_ms']} |")
+    lines += ["", f"Schedule + claim at scale: {claim['jobs']:,} queued jobs from "
+              f"{claim['users']} users on {claim['backend']} and Redis; one `claim_for_group` "
+              f"call (the policy's schedule and the atomic claim) for one free rank, "
+              f"{claim['calls']} calls (`{claim['command']}`):", "",
+              "| first call s | median ms | p90 ms | p99 ms | of it, the database ms | "
+              "one-row commit ms |", "|---:|---:|---:|---:|---:|---:|",
+              f"| {claim['first_call_seconds']:.2f} | {claim['median_ms']:.2f} | "
+              f"{claim['p90_ms']:.2f} | {claim['p99_ms']:.2f} | "
+              f"{claim['database_median_ms']:.2f} | {claim['one_row_commit_median_ms']:.2f} |",
+              "", "The first call reconciles the Redis index with the database, as after a "
+              "Redis restart."]
     return lines + [""]
 
 
@@ -94,6 +211,13 @@ def write_report(out: Path, report: Path) -> None:
              f"from this run ([{rel}/]({rel}/): one JSON per benchmark); modes were measured "
              "side by side, interleaved, so drift hits all alike.", ""]
     lines += _steptime_section(st, os.path.relpath(plot, report.parent))
+    if (out / "tiling.json").is_file():
+        tiling = json.loads((out / "tiling.json").read_text())
+        _tiling_plot(tiling, out / "tiling.png")
+        lines += _tiling_section(tiling, os.path.relpath(out / "tiling.png", report.parent))
+    if all((out / f"{n}.json").is_file() for n in ("submit", "service_latency", "claim")):
+        lines += _service_section(*(json.loads((out / f"{n}.json").read_text())
+                                    for n in ("submit", "service_latency", "claim")))
     report.write_text("\n".join(lines))
 
 
@@ -116,6 +240,9 @@ def main() -> None:
                   "passes": 2})
         print("step time against tokens ...", file=sys.stderr)
         (out / "steptime.json").write_text(json.dumps(steptime.run(**sizes), indent=1))
+        for name in SCRIPTS:
+            print(f"{name} ...", file=sys.stderr)
+            run_script(name, out, args.quick)
         info["suite_seconds"] = round(time.perf_counter() - started, 1)
         (out / "machine.json").write_text(json.dumps(info, indent=1))
     write_report(out, report)
