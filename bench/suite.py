@@ -4,10 +4,11 @@ benchmark beside a report with tables and plots.
     python bench/suite.py [--out bench/results] [--report bench/REPORT.md] [--quick]
 
 The report opens with the machine it ran on; every number in it comes from this run's JSON.
-Sections so far: step time against tokens at dp=2 (``bench/steptime.py``), request tiling
-(``bench/tiling.py``) and the service (``bench/submit.py``, ``bench/service_latency.py``,
-``bench/scheduler_claim.py``; they need PostgreSQL and Redis as the tests do). ``--quick``: small
-sizes, for a smoke run.
+Sections so far: step time against tokens at dp=2 (``bench/steptime.py``), cold start at dp 1, 2
+and 4 (``bench/coldstart.py``), request tiling
+(``bench/tiling.py``), dp=2 against sp=2 (``bench/layouts.py``) and the service
+(``bench/submit.py``, ``bench/service_latency.py``, ``bench/scheduler_claim.py``; they need
+PostgreSQL and Redis as the tests do). ``--quick``: small sizes, for a smoke run.
 """
 
 from __future__ import annotations
@@ -45,10 +46,15 @@ def machine() -> dict[str, Any]:
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def _modes(result: dict[str, Any]) -> list[str]:
+    """The modes a step-time run measured, in ``steptime.MODES`` order."""
+    return [m for m in steptime.MODES if m in result["points"][0]["ratio_to_resident"]]
+
+
 def _steptime_plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     tokens = [p["tokens"] for p in result["points"]]
-    for name in steptime.MODES:
+    for name in _modes(result):
         ax.plot(tokens, [p["ratio_to_resident"][name] for p in result["points"]], marker="o",
                 label=name)
     ax.axhline(1.0, color="grey", linewidth=0.8)
@@ -80,11 +86,11 @@ def _steptime_section(result: dict[str, Any], plot: str) -> list[str]:
              "- kiln-mapped: every block bound to one safetensors file both ranks map "
              "(what rank-local does with a checkpoint on the CPU).",
              "", f"![step time against tokens]({plot})", "",
-             "| tokens | " + " | ".join(steptime.MODES) + " | resident s |",
-             "|---:|" + "---:|" * (len(steptime.MODES) + 1)]
+             "| tokens | " + " | ".join(_modes(result)) + " | resident s |",
+             "|---:|" + "---:|" * (len(_modes(result)) + 1)]
     for p in result["points"]:
         lines.append(f"| {p['tokens']} | " + " | ".join(
-            f"{p['ratio_to_resident'][m]:.3f}" for m in steptime.MODES)
+            f"{p['ratio_to_resident'][m]:.3f}" for m in _modes(result))
             + f" | {p['seconds']['resident']:.3f} |")
     lines += ["", "Where kiln loses, and why:", ""]
     lines += [f"- {f}" for f in result["findings"]] or ["- nowhere in this run"]
@@ -95,12 +101,18 @@ def _steptime_section(result: dict[str, Any], plot: str) -> list[str]:
 # databases): name -> (script and arguments, the same for --quick). Each prints, or writes with
 # --json, one JSON document, kept as <name>.json.
 SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
+    "coldstart": (["coldstart.py", "--dp", "1,2,4", "--size-gb", "1"],
+                  ["coldstart.py", "--dp", "1,2", "--size-gb", "0.05", "--width", "256"]),
     "tiling": (["tiling.py", "--frames", "9", "33", "65", "129"],
                ["tiling.py", "--size", "64x64", "--frames", "9", "17"]),
     "submit": (["submit.py", "--spawn", "--clients", "50", "--requests", "3000", "--repeat",
                 "2"], ["submit.py", "--spawn", "--clients", "8", "--requests", "200"]),
     "service_latency": (["service_latency.py", "--dp", "1", "--jobs", "12"],
                         ["service_latency.py", "--dp", "1", "--jobs", "3", "--warmup", "1"]),
+    "layouts": (["layouts.py", "--sizes", "64x64x9x4,256x256x17x4", "--reps", "2", "--rounds",
+                 "2", "--jobs", "8", "--json", "{json}"],
+                ["layouts.py", "--sizes", "64x64x9x4", "--reps", "1", "--rounds", "1", "--jobs",
+                 "2", "--mix", "64x64x9x4", "--json", "{json}"]),
     "claim": (["scheduler_claim.py", "--jobs", "100000", "--claims", "300", "--json", "{json}"],
               ["scheduler_claim.py", "--jobs", "2000", "--claims", "20", "--json", "{json}"]),
 }
@@ -127,6 +139,55 @@ def run_script(name: str, out: Path, quick: bool) -> dict[str, Any]:
         "OUT.json" if a == str(dest) else a for a in argv)
     dest.write_text(json.dumps(result, indent=1))
     return result
+
+
+COLD_MODES = ("naive", "fsdp2", "allgather", "rank-local", "mapped")
+
+
+def _coldstart_plot(result: dict[str, Any], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    dps = [int(d) for d in result["runs"]]
+    for mode in COLD_MODES:
+        ax.plot(dps, [r["modes"][mode]["steady_gb"] for r in result["runs"].values()],
+                marker="o", label=mode)
+    ax.plot(dps, [r["modes"]["framework"]["steady_gb"] for r in result["runs"].values()],
+            color="grey", linestyle="--", label="framework only (no model)")
+    ax.set_xticks(dps, [str(d) for d in dps])
+    ax.set_xlabel("ranks (dp)")
+    ax.set_ylabel("steady host memory, GB (page cache included)")
+    ax.set_title(f"cold start on a {result['model_gb']:.2f} GB {result['dtype']} checkpoint")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _coldstart_section(result: dict[str, Any], plot: str) -> list[str]:
+    lines = ["## Cold start", "",
+             f"dp CPU ranks load one {result['model_gb']:.2f} GB checkpoint ({result['dtype']}, "
+             f"{result['num_blocks']} blocks of width {result['width']}) and run one forward "
+             f"(`{result['command']}`). Memory is what the ranks make the machine hold: their "
+             "anonymous and shared-memory PSS plus the checkpoint's pages in the page cache, "
+             "counted once (`bench/coldstart.py` says how); the cgroup's own count is beside "
+             "it. Time to ready: from starting the processes to every rank having loaded. "
+             "\"framework\" is a rank with torch and its process group and no model; the "
+             "model's share is a mode's steady figure less it.", "", f"![cold start]({plot})", ""]
+    for dp, run in result["runs"].items():
+        modes = run["modes"]
+        base = modes["framework"]["steady_gb"]
+        lines += [f"dp={dp} (framework alone: {base:.2f} GB, ready in "
+                  f"{modes['framework']['load_seconds']:.1f} s):", "",
+                  "| mode | ready s | peak GB | steady GB | of it page cache | model's share GB "
+                  "| cgroup peak GB | cgroup steady GB |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for mode in COLD_MODES:
+            m = modes[mode]
+            lines.append(f"| {mode} | {m['load_seconds']:.1f} | {m['peak_gb']:.2f} | "
+                         f"{m['steady_gb']:.2f} | {m['steady_page_cache_gb']:.2f} | "
+                         f"{m['steady_gb'] - base:.2f} | {m.get('cgroup_peak_gb', 0):.2f} | "
+                         f"{m.get('cgroup_steady_gb', 0):.2f} |")
+        lines.append("")
+    return lines
 
 
 def _tiling_plot(result: dict[str, Any], path: Path) -> None:
@@ -156,6 +217,34 @@ def _tiling_section(result: dict[str, Any], plot: str) -> list[str]:
     for u, t in zip(result["untiled"], result["tiled"], strict=True):
         lines.append(f"| {u['frames']} | {u['transient_bytes'] / 2**20:.1f} | "
                      f"{t['transient_bytes'] / 2**20:.1f} | {t['num_tiles']} |")
+    return lines + [""]
+
+
+def _layouts_section(result: dict[str, Any]) -> list[str]:
+    lat, thr = result["latency"], result["throughput"]
+    lines = ["## Layouts: two replicas (dp=2) against one split job (sp=2)", "",
+             f"{result['model']} on two CPU ranks over {result['backend']}, {result['mode']}, "
+             f"guidance on (`{result['command']}`). One job's latency, seconds (median of "
+             f"{result['latency_reps']} timed jobs a round, {result['rounds']} rounds "
+             "interleaved); sp=1 runs once on one thread (one rank's cores) and once on two "
+             "(the same cores sp=2 uses):", "",
+             "| clip | tokens | sp=1, 1 thread | sp=2, 2 x 1 thread | sp=1, 2 threads | "
+             "sp=1 (2 threads) / sp=2 |", "|---|---:|---:|---:|---:|---:|"]
+    for clip, r in lat.items():
+        lines.append(f"| {clip} | {r['tokens']} | {r['sp1_1thread']['job_s']:.3f} | "
+                     f"{r['sp2']['job_s']:.3f} | {r['sp1_2threads']['job_s']:.3f} | "
+                     f"{r['sp1_2threads_over_sp2']:.2f} |")
+    lines += ["", f"Throughput: {thr['jobs']} jobs queued at once, cycling "
+              f"{'; '.join(thr['mix'])}, through the service's rank loop (median of the "
+              "runs):", "", "| layout | jobs/h | makespan s | mean latency s | max latency s |",
+              "|---|---:|---:|---:|---:|"]
+    for key in ("dp2", "dp1_sp2"):
+        r = thr[key]
+        lines.append(f"| dp={r['dp']} x sp={r['sp']} | {r['jobs_per_hour']} | "
+                     f"{r['makespan_s']:.2f} | {r['mean_latency_s']:.2f} | "
+                     f"{r['max_latency_s']:.2f} |")
+    lines += ["", f"sp=2 over dp=2: jobs per hour x{thr['jobs_per_hour_sp2_over_dp2']}, mean "
+              f"latency x{thr['mean_latency_sp2_over_dp2']}."]
     return lines + [""]
 
 
@@ -211,10 +300,16 @@ def write_report(out: Path, report: Path) -> None:
              f"from this run ([{rel}/]({rel}/): one JSON per benchmark); modes were measured "
              "side by side, interleaved, so drift hits all alike.", ""]
     lines += _steptime_section(st, os.path.relpath(plot, report.parent))
+    if (out / "coldstart.json").is_file():
+        cold = json.loads((out / "coldstart.json").read_text())
+        _coldstart_plot(cold, out / "coldstart.png")
+        lines += _coldstart_section(cold, os.path.relpath(out / "coldstart.png", report.parent))
     if (out / "tiling.json").is_file():
         tiling = json.loads((out / "tiling.json").read_text())
         _tiling_plot(tiling, out / "tiling.png")
         lines += _tiling_section(tiling, os.path.relpath(out / "tiling.png", report.parent))
+    if (out / "layouts.json").is_file():
+        lines += _layouts_section(json.loads((out / "layouts.json").read_text()))
     if all((out / f"{n}.json").is_file() for n in ("submit", "service_latency", "claim")):
         lines += _service_section(*(json.loads((out / f"{n}.json").read_text())
                                     for n in ("submit", "service_latency", "claim")))

@@ -1,5 +1,6 @@
 """The benchmark suite's smoke run: every section measures, writes its JSON, draws its plot and
-its part of the report, in seconds (``--quick``: small sizes)."""
+its part of the report, in a minute or two (``--quick``: small sizes; the service sections use
+PostgreSQL and Redis, as the service's tests do)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,15 @@ def test_the_quick_suite_writes_json_a_plot_and_a_report_from_them(tmp_path: Pat
     assert "![step time against tokens](results/steptime.png)" in text
     for p in steptime["points"]:  # the table is the JSON's figures
         assert f"| {p['tokens']} | 1.000 | {p['ratio_to_resident']['fsdp2']:.3f} |" in text
+    for name in ("coldstart", "tiling", "layouts", "submit", "service_latency", "claim"):
+        assert json.loads((out / f"{name}.json").read_text())["command"].startswith(
+            "python bench/"), name
+    for plot in ("coldstart", "tiling"):
+        assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for title in ("## Cold start", "## Request tiling", "## Layouts", "## Service"):
+        assert title in text
+    cold = json.loads((out / "coldstart.json").read_text())
+    assert set(cold["runs"]) == {"1", "2"}
+    for run in cold["runs"].values():  # each mode's row is the JSON's steady figure
+        for mode in ("naive", "fsdp2", "allgather", "rank-local", "mapped"):
+            assert f"| {mode} | {run['modes'][mode]['load_seconds']:.1f} |" in text
