@@ -187,6 +187,11 @@ def _coldstart_section(result: dict[str, Any], plot: str) -> list[str]:
                          f"{m['steady_gb'] - base:.2f} | {m.get('cgroup_peak_gb', 0):.2f} | "
                          f"{m.get('cgroup_steady_gb', 0):.2f} |")
         lines.append("")
+        if modes["fsdp2"]["steady_gb"] > modes["naive"]["steady_gb"]:
+            lines += [f"At dp={dp} FSDP2 holds more ({modes['fsdp2']['steady_gb']:.2f} GB) "
+                      f"than a private copy per rank ({modes['naive']['steady_gb']:.2f} GB): "
+                      "that is what its processes hold after one forward, measured, not "
+                      "broken down here.", ""]
     return lines
 
 

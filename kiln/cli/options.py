@@ -15,8 +15,9 @@ Device = Annotated[str, typer.Option(help="cpu, cuda or npu.")]
 DeviceBudgetOption = Annotated[str, typer.Option(
     "--device-budget",
     help="Device memory for resident transformer blocks (the rest stream): 'auto' (free device "
-         "memory less the largest admitted job's activations; none on the CPU), 'none', or a "
-         "size such as 12GiB.")]
+         "memory less the largest admitted job's activations; on the CPU every block when "
+         "rank-local, bound to the shared checkpoint mapping, none with allgather), 'none', or "
+         "a size such as 12GiB.")]
 
 GoalOption = Annotated[str | None, typer.Option(
     help="What the worker group serves for: 'latency' takes interactive jobs first, "
