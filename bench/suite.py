@@ -5,7 +5,7 @@ benchmark beside a report with tables and plots.
 
 The report opens with the machine it ran on; every number in it comes from this run's JSON.
 Sections so far: step time against tokens at dp=2 (``bench/steptime.py``), cold start at dp 1, 2
-and 4 (``bench/coldstart.py``), request tiling
+and 4 (``bench/coldstart.py``) and the memory model fitted to it, request tiling
 (``bench/tiling.py``), dp=2 against sp=2 (``bench/layouts.py``) and the service
 (``bench/submit.py``, ``bench/service_latency.py``, ``bench/scheduler_claim.py``; they need
 PostgreSQL and Redis as the tests do). ``--quick``: small sizes, for a smoke run.
@@ -33,7 +33,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import steptime  # noqa: E402
-from runtime.planner import machine_description  # noqa: E402
+from runtime.planner import extrapolate_memory, machine_description  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 
@@ -195,6 +195,54 @@ def _coldstart_section(result: dict[str, Any], plot: str) -> list[str]:
     return lines
 
 
+def memory_model(cold: dict[str, Any]) -> dict[str, Any]:
+    """kiln allgather's host memory as ``model + dp x c``, ``c`` fitted (least squares through
+    the origin) to the cold-start run's steady and peak figures, and the published technique's
+    extrapolation table beside what the fit predicts."""
+    model = cold["model_gb"]
+    dps = [int(d) for d in cold["runs"]]
+    fit: dict[str, Any] = {}
+    for key in ("steady_gb", "peak_gb"):
+        measured = [cold["runs"][str(d)]["modes"]["allgather"][key] for d in dps]
+        c = sum(d * (m - model) for d, m in zip(dps, measured, strict=True)) / sum(
+            d * d for d in dps)
+        fit[key] = {"per_rank_gb": c, "points": [
+            {"dp": d, "measured_gb": m, "predicted_gb": model + d * c}
+            for d, m in zip(dps, measured, strict=True)]}
+    return {"model_gb": model, "fit": fit,
+            "table": extrapolate_memory(fit["peak_gb"]["per_rank_gb"] * 1e9)}
+
+
+def _memory_model_section(mm: dict[str, Any]) -> list[str]:
+    steady, peak = mm["fit"]["steady_gb"], mm["fit"]["peak_gb"]
+    lines = ["## The memory model", "",
+             "kiln allgather's host memory is the weights once between the ranks (each its "
+             "1/dp shard) plus a constant per rank: `model + dp x c`. Fitted to the cold "
+             f"start above ({mm['model_gb']:.2f} GB): c = {steady['per_rank_gb']:.3f} GB per "
+             f"rank steady, {peak['per_rank_gb']:.3f} GB at the load's peak.", "",
+             "| dp | steady measured GB | fit | peak measured GB | fit |",
+             "|---:|---:|---:|---:|---:|"]
+    for s_pt, p_pt in zip(steady["points"], peak["points"], strict=True):
+        lines.append(f"| {s_pt['dp']} | {s_pt['measured_gb']:.2f} | "
+                     f"{s_pt['predicted_gb']:.2f} | {p_pt['measured_gb']:.2f} | "
+                     f"{p_pt['predicted_gb']:.2f} |")
+    lines += ["", "The published technique's extrapolated host memory for allgather DLO "
+              "(cgroup-visible peak and total RAM, on Ascend, whose pinned shards the cgroup "
+              "does not see) beside kiln's prediction with the peak constant; kiln's shards "
+              "are ordinary process memory, so its cgroup figure is its total:", "",
+              "| model GB | dp | published cgroup GB | published total GB | kiln (this "
+              "machine's c) GB |",
+              "|---:|---:|---:|---:|---:|"]
+    for r in mm["table"]:
+        lines.append(f"| {r['model_gb']:.0f} | {r['dp']} | {r['published_cgroup_gb']} | "
+                     f"{r['published_total_gb']} | {r['kiln_gb']:.0f} |")
+    lines += ["", "The constant is this machine's: CPU ranks with torch and gloo, whose two "
+              "slots are host memory too. On a GPU host the slots live on the device and the "
+              "shards in pinned host memory, and each process carries a device context; its "
+              "constant has to be measured there before this column predicts it."]
+    return lines + [""]
+
+
 def _tiling_plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for mode in ("untiled", "tiled"):
@@ -309,6 +357,9 @@ def write_report(out: Path, report: Path) -> None:
         cold = json.loads((out / "coldstart.json").read_text())
         _coldstart_plot(cold, out / "coldstart.png")
         lines += _coldstart_section(cold, os.path.relpath(out / "coldstart.png", report.parent))
+        mm = memory_model(cold)
+        (out / "memory_model.json").write_text(json.dumps(mm, indent=1))
+        lines += _memory_model_section(mm)
     if (out / "tiling.json").is_file():
         tiling = json.loads((out / "tiling.json").read_text())
         _tiling_plot(tiling, out / "tiling.png")

@@ -566,7 +566,13 @@ def memory_table(p: Profile, cases: list[tuple[float, int]] | None = None,
     checkpoint's page cache is dropped as the shards fill) plus a constant per rank, all of it
     ordinary process memory, so what a memory cgroup sees is the total:
     ``model + dp x constant``. Beside it, the published technique's estimates."""
-    per_rank = p.framework_bytes + p.per_rank_bytes.get("allgather", 0)
+    return extrapolate_memory(p.framework_bytes + p.per_rank_bytes.get("allgather", 0), cases)
+
+
+def extrapolate_memory(per_rank: float, cases: list[tuple[float, int]] | None = None,
+                       ) -> list[dict[str, float | None]]:
+    """``model + dp x per_rank`` for each (model GB, dp) case (default: the published ones),
+    beside the published technique's estimates where it has one."""
     rows: list[dict[str, float | None]] = []
     for gb, dp in cases or list(PUBLISHED_MEMORY):
         published = PUBLISHED_MEMORY.get((int(gb), dp))
