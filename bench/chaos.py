@@ -717,6 +717,31 @@ def report(figures: dict[str, Any], soak: Soak, wall: float, leftovers: list[str
     return failures
 
 
+def summary(figures: dict[str, Any], soak: Soak, wall: float) -> dict[str, Any]:
+    """The soak's figures as counts and seconds, for ``--json`` (the benchmark report)."""
+    f = figures
+    per_kind: dict[str, float | None] = {}
+    for fault, took in f["recoveries"]:  # None: the queue never moved again
+        prev = per_kind.get(fault.kind, 0.0)
+        per_kind[fault.kind] = None if took is None or prev is None else max(prev, took)
+    stall, _, stall_kind = f["longest_stall"]
+    return {
+        "jobs": soak.args.jobs, "jobs_submitted": f["jobs_submitted"],
+        "submit_retries": sum(dict(f["submit_retries"]).values()),
+        "unsubmitted": len(f["unsubmitted"]), "states": dict(sorted(f["states"].items())),
+        "faults": {k: f["faults"][k] for k in KINDS if f["faults"][k]},
+        "poison_kills": f["poison_kills"], "retries": f["retries"],
+        "lost": len(f["lost"]), "duplicated": len(f["duplicated"]),
+        "wrongly_charged": len(f["wrongly_charged"]), "dead": len(f["dead"]),
+        "poisonous": len(f["poison"]),
+        "queue_still_after_fault_s": per_kind,
+        "longest_stall_s": stall, "longest_stall_after": stall_kind,
+        "wall_seconds": wall, "processing_seconds": f["processing_seconds"],
+        "jobs_per_s": f["finished"] / max(f["processing_seconds"], 1e-9),
+        "seed": soak.args.seed,
+    }
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -746,6 +771,7 @@ def main() -> int:
     p.add_argument("--settle-timeout", type=float, default=600,
                    help="once every job is submitted, how long they have to end")
     p.add_argument("--keep", action="store_true", help="keep the logs and outputs")
+    p.add_argument("--json", help="also write the figures, as counts and seconds, to this file")
     args = p.parse_args()
     began = time.time()
     with workdir(args) as tmp, fresh_database("postgresql", tmp) as db_url:
@@ -770,6 +796,10 @@ def main() -> int:
         leftovers = soak.leftovers()
         figures = account(soak.rec, jobs, events)
         failures = report(figures, soak, time.time() - began, leftovers)
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {**summary(figures, soak, time.time() - began), "failures": failures},
+                indent=1, default=str))
         if failures or args.keep:
             args.keep = True  # the logs say why
             (tmp / "figures.json").write_text(json.dumps(
