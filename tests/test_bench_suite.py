@@ -5,6 +5,7 @@ PostgreSQL and Redis, as the service's tests do)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,15 @@ def test_the_quick_suite_writes_json_a_plot_and_a_report_from_them(tmp_path: Pat
     model = json.loads((out / "memory_model.json").read_text())
     assert [r["dp"] for r in model["fit"]["steady_gb"]["points"]] == [1, 2]
     assert f"| 400 | 8 | 443 | 843 | {model['table'][-1]['kiln_gb']:.0f} |" in text
+
+
+def test_the_committed_report_is_what_its_json_says(tmp_path: Path) -> None:
+    """bench/REPORT.md, written again from the JSON committed beside it, comes out the same:
+    no figure in it was typed by hand."""
+    shutil.copytree(REPO / "bench" / "results", tmp_path / "results")
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "suite.py"), "--report-only",
+                           "--out", str(tmp_path / "results"),
+                           "--report", str(tmp_path / "REPORT.md")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "REPORT.md").read_text() == (REPO / "bench" / "REPORT.md").read_text()
