@@ -52,23 +52,41 @@ def _modes(result: dict[str, Any]) -> list[str]:
     return [m for m in steptime.MODES if m in result["points"][0]["ratio_to_resident"]]
 
 
-def _steptime_plot(result: dict[str, Any], path: Path) -> None:
+def _line_plot(path: Path, series: dict[str, tuple[list[float], list[float]]], *, xlabel: str,
+               ylabel: str, title: str, xticks: list[int] | None = None, log2_x: bool = False,
+               baseline: tuple[str, list[float], list[float]] | None = None,
+               unit_line: bool = False) -> None:
+    """One PNG: a line with markers per series (label -> (x, y)); ``baseline``: a dashed grey
+    series (label, x, y); ``unit_line``: a grey line at y = 1."""
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    tokens = [p["tokens"] for p in result["points"]]
-    for name in _modes(result):
-        ax.plot(tokens, [p["ratio_to_resident"][name] for p in result["points"]], marker="o",
-                label=name)
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(tokens, [str(t) for t in tokens])
-    ax.set_xlabel("tokens per forward")
-    ax.set_ylabel("forward time / resident copy's")
-    ax.set_title(f"dp=2, DiT width {result['width']} x {result['blocks']} blocks, fp32 "
-                 f"({result['model_bytes'] / 1e9:.2f} GB)")
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    if baseline is not None:
+        label, xs, ys = baseline
+        ax.plot(xs, ys, color="grey", linestyle="--", label=label)
+    if unit_line:
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+    if log2_x:
+        ax.set_xscale("log", base=2)
+    if xticks is not None:
+        ax.set_xticks(xticks, [str(t) for t in xticks])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _steptime_plot(result: dict[str, Any], path: Path) -> None:
+    tokens = [p["tokens"] for p in result["points"]]
+    _line_plot(path, {name: (tokens, [p["ratio_to_resident"][name] for p in result["points"]])
+                      for name in _modes(result)},
+               xlabel="tokens per forward", ylabel="forward time / resident copy's",
+               title=f"dp=2, DiT width {result['width']} x {result['blocks']} blocks, fp32 "
+                     f"({result['model_bytes'] / 1e9:.2f} GB)",
+               xticks=tokens, log2_x=True, unit_line=True)
 
 
 def _steptime_section(result: dict[str, Any], plot: str) -> list[str]:
@@ -152,21 +170,15 @@ COLD_MODES = ("naive", "fsdp2", "allgather", "rank-local", "mapped")
 
 
 def _coldstart_plot(result: dict[str, Any], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     dps = [int(d) for d in result["runs"]]
-    for mode in COLD_MODES:
-        ax.plot(dps, [r["modes"][mode]["steady_gb"] for r in result["runs"].values()],
-                marker="o", label=mode)
-    ax.plot(dps, [r["modes"]["framework"]["steady_gb"] for r in result["runs"].values()],
-            color="grey", linestyle="--", label="framework only (no model)")
-    ax.set_xticks(dps, [str(d) for d in dps])
-    ax.set_xlabel("ranks (dp)")
-    ax.set_ylabel("steady host memory, GB (page cache included)")
-    ax.set_title(f"cold start on a {result['model_gb']:.2f} GB {result['dtype']} checkpoint")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+
+    def steady(mode: str) -> list[float]:
+        return [r["modes"][mode]["steady_gb"] for r in result["runs"].values()]
+
+    _line_plot(path, {mode: (dps, steady(mode)) for mode in COLD_MODES},
+               xlabel="ranks (dp)", ylabel="steady host memory, GB (page cache included)",
+               title=f"cold start on a {result['model_gb']:.2f} GB {result['dtype']} checkpoint",
+               xticks=dps, baseline=("framework only (no model)", dps, steady("framework")))
 
 
 def _coldstart_section(result: dict[str, Any], plot: str) -> list[str]:
@@ -251,19 +263,12 @@ def _memory_model_section(mm: dict[str, Any]) -> list[str]:
 
 
 def _tiling_plot(result: dict[str, Any], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for mode in ("untiled", "tiled"):
-        pts = result[mode]
-        ax.plot([p["frames"] for p in pts], [p["transient_bytes"] / 2**20 for p in pts],
-                marker="o", label=mode)
-    ax.set_xlabel("frames")
-    ax.set_ylabel("decode transient peak, MiB")
-    ax.set_title(f"{result['stage']}, {result['size']}; tiled: "
-                 f"{result['simulated_free_bytes_tiled'] / 2**20:.0f} MiB free")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _line_plot(path, {mode: ([p["frames"] for p in result[mode]],
+                             [p["transient_bytes"] / 2**20 for p in result[mode]])
+                      for mode in ("untiled", "tiled")},
+               xlabel="frames", ylabel="decode transient peak, MiB",
+               title=f"{result['stage']}, {result['size']}; tiled: "
+                     f"{result['simulated_free_bytes_tiled'] / 2**20:.0f} MiB free")
 
 
 def _tiling_section(result: dict[str, Any], plot: str) -> list[str]:
