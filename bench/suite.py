@@ -5,7 +5,8 @@ benchmark beside a report with tables and plots.
 
 The report opens with the machine it ran on; every number in it comes from this run's JSON.
 Sections so far: step time against tokens at dp=2 (``bench/steptime.py``), cold start at dp 1, 2
-and 4 (``bench/coldstart.py``) and the memory model fitted to it, request tiling
+and 4 (``bench/coldstart.py``) and the memory model fitted to it, device weight buffers against
+depth (``bench/buffers.py``), request tiling
 (``bench/tiling.py``), dp=2 against sp=2 (``bench/layouts.py``), a short soak
 (``bench/chaos.py``) and the service
 (``bench/submit.py``, ``bench/service_latency.py``, ``bench/scheduler_claim.py``; they need
@@ -122,6 +123,8 @@ def _steptime_section(result: dict[str, Any], plot: str) -> list[str]:
 SCRIPTS: dict[str, tuple[list[str], list[str] | None]] = {
     "coldstart": (["coldstart.py", "--dp", "1,2,4", "--size-gb", "1"],
                   ["coldstart.py", "--dp", "1,2", "--size-gb", "0.05", "--width", "256"]),
+    "buffers": (["buffers.py", "--depths", "8,16,32,64"],
+                ["buffers.py", "--depths", "2,4", "--width", "128"]),
     "tiling": (["tiling.py", "--frames", "9", "33", "65", "129"],
                ["tiling.py", "--size", "64x64", "--frames", "9", "17"]),
     "submit": (["submit.py", "--spawn", "--clients", "50", "--requests", "3000"],
@@ -259,6 +262,50 @@ def _memory_model_section(mm: dict[str, Any]) -> list[str]:
               "slots are host memory too. On a GPU host the slots live on the device and the "
               "shards in pinned host memory, and each process carries a device context; its "
               "constant has to be measured there before this column predicts it."]
+    return lines + [""]
+
+
+def _buffers_plot(result: dict[str, Any], path: Path) -> None:
+    pts = result["points"]
+    blocks = [p["blocks"] for p in pts]
+
+    def mb(key: str) -> list[float]:
+        return [p[key] / 1e6 for p in pts]
+
+    _line_plot(path, {"kiln allgather, measured": (blocks, mb("kiln_device_bytes")),
+                      "FSDP2, measured peak": (blocks, mb("fsdp2_peak_bytes"))},
+               xlabel="blocks", ylabel="a rank's device weight bytes, MB",
+               title=f"dp=2, DiT width {result['width']}, fp32, one forward",
+               xticks=blocks, log2_x=True,
+               baseline=("kiln: 2 x max_block (the engine's count)", blocks,
+                         mb("kiln_device_buffer_bytes")))
+
+
+def _buffers_section(result: dict[str, Any], plot: str) -> list[str]:
+    lines = ["## Device weight buffers against depth", "",
+             f"Two ranks run one forward of the DiT at width {result['width']} (fp32, "
+             f"{result['tokens']} tokens) under kiln allgather and under FSDP2 "
+             f"(`{result['command']}`). Measured: the most bytes a rank's allocator held "
+             "inside any block's forward over what it held before the model was built. kiln's "
+             "device figure leaves out its host shard (pinned host memory on an "
+             "accelerator); FSDP2 keeps its shard on the device, so its figure is the whole "
+             "peak.", "", f"![device weight buffers]({plot})", "",
+             "| blocks | max block MB | kiln 2 x max_block MB | kiln measured MB | kiln host "
+             "shard MB | FSDP2 shard MB | FSDP2 peak MB |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in result["points"]:
+        lines.append(f"| {p['blocks']} | {p['max_block_bytes'] / 1e6:.2f} | "
+                     f"{p['kiln_device_buffer_bytes'] / 1e6:.2f} | "
+                     f"{p['kiln_device_bytes'] / 1e6:.2f} | "
+                     f"{p['kiln_host_shard_bytes'] / 1e6:.2f} | "
+                     f"{p['fsdp2_sharded_bytes'] / 1e6:.2f} | "
+                     f"{p['fsdp2_peak_bytes'] / 1e6:.2f} |")
+    first, last = result["points"][0], result["points"][-1]
+    lines += ["", f"From {first['blocks']} to {last['blocks']} blocks kiln's measured device "
+              f"bytes go from {first['kiln_device_bytes'] / 1e6:.2f} to "
+              f"{last['kiln_device_bytes'] / 1e6:.2f} MB and FSDP2's peak from "
+              f"{first['fsdp2_peak_bytes'] / 1e6:.2f} to {last['fsdp2_peak_bytes'] / 1e6:.2f} "
+              "MB. What kiln holds over its two slots is a transient of the gather, measured, "
+              "not broken down here."]
     return lines + [""]
 
 
@@ -402,6 +449,10 @@ def write_report(out: Path, report: Path) -> None:
         mm = memory_model(cold)
         (out / "memory_model.json").write_text(json.dumps(mm, indent=1))
         lines += _memory_model_section(mm)
+    if (out / "buffers.json").is_file():
+        buffers = json.loads((out / "buffers.json").read_text())
+        _buffers_plot(buffers, out / "buffers.png")
+        lines += _buffers_section(buffers, os.path.relpath(out / "buffers.png", report.parent))
     if (out / "tiling.json").is_file():
         tiling = json.loads((out / "tiling.json").read_text())
         _tiling_plot(tiling, out / "tiling.png")

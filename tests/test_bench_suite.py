@@ -28,13 +28,14 @@ def test_the_quick_suite_writes_json_a_plot_and_a_report_from_them(tmp_path: Pat
     assert "![step time against tokens](results/steptime.png)" in text
     for p in steptime["points"]:  # the table is the JSON's figures
         assert f"| {p['tokens']} | 1.000 | {p['ratio_to_resident']['fsdp2']:.3f} |" in text
-    for name in ("coldstart", "tiling", "layouts", "submit", "service_latency", "claim"):
+    for name in ("coldstart", "buffers", "tiling", "layouts", "submit", "service_latency",
+                 "claim"):
         assert json.loads((out / f"{name}.json").read_text())["command"].startswith(
             "python bench/"), name
-    for plot in ("coldstart", "tiling"):
+    for plot in ("coldstart", "buffers", "tiling"):
         assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for title in ("## Cold start", "## The memory model", "## Request tiling", "## Layouts",
-                  "## Service"):
+    for title in ("## Cold start", "## The memory model", "## Device weight buffers",
+                  "## Request tiling", "## Layouts", "## Service"):
         assert title in text
     cold = json.loads((out / "coldstart.json").read_text())
     assert set(cold["runs"]) == {"1", "2"}
