@@ -25,6 +25,7 @@ import torch
 from common.families import MODEL_INDEX_FILES, TINY, TINY_MODEL, family_of, model_index_path
 from runtime.budget import AUTO, DeviceBudget
 from runtime.launch import RankContext, run_ranks
+from runtime.models.tiny import TRAINED_WEIGHTS
 from runtime.pipelines.base import VideoPipeline, VideoRequest, agree_handles
 from runtime.pipelines.tiny import TinyPipeline
 from runtime.sequence import SOLO, Layout, SequenceParallel, open_sequence
@@ -74,8 +75,6 @@ def weight_bytes(model: str) -> int:
     """Bytes of every safetensors file of a model (a diffusers directory's components, or
     kiln-tiny's weights): what one private copy of it holds."""
     if family_of(model) is TINY:
-        from runtime.models.tiny import TRAINED_WEIGHTS
-
         return TRAINED_WEIGHTS.stat().st_size
     return sum(f.stat().st_size for f in Path(model).rglob("*.safetensors"))
 
