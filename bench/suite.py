@@ -122,7 +122,7 @@ def _steptime_section(result: dict[str, Any], plot: str) -> list[str]:
 # Each prints, or writes with --json, one JSON document, kept as <name>.json.
 SCRIPTS: dict[str, tuple[list[str], list[str] | None]] = {
     "coldstart": (["coldstart.py", "--dp", "1,2,4", "--size-gb", "1"],
-                  ["coldstart.py", "--dp", "1,2", "--size-gb", "0.05", "--width", "256"]),
+                  ["coldstart.py", "--dp", "2", "--size-gb", "0.05", "--width", "256"]),
     "buffers": (["buffers.py", "--depths", "8,16,32,64"],
                 ["buffers.py", "--depths", "2,4", "--width", "128"]),
     "tiling": (["tiling.py", "--frames", "9", "33", "65", "129"],
