@@ -30,10 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
-from bench.dit import DiT  # noqa: E402
+from bench.dit import DiT, fsdp2_from_checkpoint  # noqa: E402
 from runtime.dlo import apply_dlo  # noqa: E402
 from runtime.launch import RankContext, run_ranks  # noqa: E402
 
@@ -95,17 +94,7 @@ def _rank(ctx: RankContext, depths: list[int], width: int, tmp: str) -> dict[str
         before = _in_use()
         with torch.device("meta"):
             model = DiT(width, depth).eval()
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        model.to_empty(device="cpu")
-        full = load_file(path)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                chunks = full[name].chunk(ctx.world, dim=0)
-                if ctx.rank < len(chunks):
-                    param.to_local()[: chunks[ctx.rank].shape[0]].copy_(chunks[ctx.rank])
-        del full
+        fsdp2_from_checkpoint(model, str(path), ctx.rank, ctx.world)
         sharded = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         fsdp_peak = _peak_forward(model, model.blocks, before)
         del model

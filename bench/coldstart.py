@@ -48,7 +48,7 @@ def _rank(rank: int, dp: int, port: int, mode: str, path: str, width: int, num_b
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from bench.dit import DiT
+    from bench.dit import DiT, fsdp2_from_checkpoint
     from runtime.budget import EVERYTHING
     from runtime.dlo import apply_dlo
 
@@ -62,21 +62,7 @@ def _rank(rank: int, dp: int, port: int, mode: str, path: str, width: int, num_b
         # A rank with torch and its process group but no model: what every mode pays anyway.
         model = lambda x: x  # noqa: E731
     elif mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        model.to_empty(device="cpu")
-        # The least memory FSDP2 can load with: every rank copies its own dim-0 shard of each
-        # tensor straight from the shared mapping into its local storage.
-        full = load_file(path)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                local = param.to_local()
-                chunks = full[name].chunk(dp, dim=0)
-                if rank < len(chunks):
-                    local[: chunks[rank].shape[0]].copy_(chunks[rank])
+        fsdp2_from_checkpoint(model, path, rank, dp)
     elif mode == "naive":
         # What plain layerwise offload does under data parallelism: every rank a full private
         # copy (load_file alone would hand out views of a shared mapping, so copy them).
