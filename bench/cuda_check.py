@@ -1,11 +1,21 @@
 """One prepared CUDA check of the DLO engine (dp=1, NCCL world of one); a few minutes on one GPU.
 
-Prints JSON with:
+Prints JSON (and writes it with ``--json PATH``) with the device (``device_name``, ``torch``,
+``cuda``), the run's ``wall_seconds`` and:
+- link: the host-device link's own rate, a plain ``copy_`` of a pinned 256 MiB host buffer into
+  a device buffer and back, best and median of 5, in GB/s;
 - exactness: DLO forward vs the resident forward on the GPU, fp32 and bf16, bit for bit;
 - peak weight memory: ``torch.cuda.max_memory_allocated`` during a DLO forward against
   2 x max_block + resident (+ activations, measured apart with a resident-free baseline);
-- the H2D bandwidth the prefetch reached (block bytes / transfer time, from CUDA events);
-- the share of block compute overlapped with the next block's transfer (event timelines);
+- the H2D bandwidth the prefetch reached (block bytes / transfer time, from CUDA events): over a
+  prefetch's whole interval (``h2d_gbps``: it opens before the wait for a free slot, while the
+  slot's previous block computes) and over its copy alone (``h2d_gbps_copy``: from the later of
+  the interval's start and the end of that block's compute);
+- the share of block compute overlapped with the next block's transfer (event timelines), the
+  share of the copies hidden behind block compute, and the compute stream's stall for blocks;
+- steptime: the DiT of ``bench/dit.py`` (default width 2048, 16 blocks, bf16: 1.6 GB) resident
+  on the device against under DLO (allgather at world 1: every block copied per forward from
+  pinned host memory through the two slots), per token count, interleaved, median of reps;
 - sp2: kiln-tiny's transformer split over 2 ranks over NCCL (dp=1 x sp=2, DLO allgather across
   the two) against the same transformer unsplit on the same ranks: max abs diff and forward
   time of each, per token count; skipped (with the reason) when fewer than 2 GPUs are visible;
@@ -17,8 +27,11 @@ kiln-tiny's transformer makes its position and timestep tables with factory call
 device, so its steps and forwards run under ``with torch.device(dev)`` here.
 
 Usage: torchrun --nproc-per-node 1 bench/cuda_check.py   (or plain python: it inits itself)
-       python bench/cuda_check.py --dry-run   (no GPU: the sp2 and gathers_per_step cases on
-       the CPU over gloo, small sizes, to check that they run)
+           [--width 2048] [--blocks 16] [--tokens 1024,4096,16384,32768] [--reps 10]
+           [--json PATH]
+       python bench/cuda_check.py --dry-run   (no GPU: the steptime, sp2 and gathers_per_step
+       cases on the CPU over gloo, small sizes, to check that they run; link and profile are
+       reported as skipped)
 """
 
 from __future__ import annotations
@@ -38,8 +51,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.dit import DiT  # noqa: E402
+from bench.dit import DiT, block_bytes  # noqa: E402
 from runtime.dlo import apply_dlo  # noqa: E402
+
+PROFILE = {"width": 3072, "tokens": 8192, "blocks": 12}
+PROFILE_KEY = "profile_width{width}_tokens{tokens}_bf16".format(**PROFILE)
 
 
 def _intervals(events: list[tuple[Any, Any]], origin: Any) -> list[tuple[float, float]]:
@@ -51,6 +67,29 @@ def _overlap(compute: list[tuple[float, float]], transfer: list[tuple[float, flo
     covered = sum(max(0.0, min(ce, te) - max(cs, ts))
                   for cs, ce in compute for ts, te in transfer)
     return covered / total if total else 0.0
+
+
+def link(num_bytes: int = 256 * 2**20, reps: int = 5) -> dict[str, Any]:
+    """The host-device link's own rate: ``copy_`` of a pinned host buffer into a device buffer
+    (h2d) and back (d2h), one warm-up then ``reps`` each, timed with CUDA events."""
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    report: dict[str, Any] = {"bytes": num_bytes, "reps": reps, "host": "pinned"}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        seconds = []
+        for i in range(reps + 1):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            if i:
+                seconds.append(start.elapsed_time(end) / 1e3)
+        report[f"{name}_gbps"] = round(num_bytes / min(seconds) / 1e9, 2)
+        report[f"{name}_gbps_median"] = round(num_bytes / statistics.median(seconds) / 1e9, 2)
+    del host, dev
+    torch.cuda.empty_cache()
+    return report
 
 
 def exactness(dtype: torch.dtype, width: int, tokens: int, blocks: int) -> bool:
@@ -102,13 +141,27 @@ def profile(width: int, tokens: int, blocks: int) -> dict[str, Any]:
         origin = torch.cuda.Event(enable_timing=True)
         origin.record()
         model(x)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
         torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     transfers = [(a, b) for kind, a, b in handle._timing_events if kind == "gather"]
+    stalls = [(a, b) for kind, a, b in handle._timing_events if kind == "wait"]
     stats = handle.stats()
     transfer_s = sum(a.elapsed_time(b) for a, b in transfers) / 1e3
     moved = stats["max_block_bytes"] * len(transfers)
+    # The last `blocks` prefetches are blocks 1 .. blocks-1 of this forward and block 0 of the
+    # next (block 0 of this one came with the warm-up). Block k's slot last held block k-2: its
+    # prefetch's interval opens before the wait for that block's compute, its copy after it.
+    comp = _intervals(compute, origin)
+    copies = [(max(s, comp[k - 2][1]) if k >= 2 else s, e)
+              for k, (s, e) in enumerate(_intervals(transfers, origin)[-blocks:], start=1)]
+    copy_s = sum(e - s for s, e in copies) / 1e3
     report = {
+        "width": width,
+        "tokens": tokens,
+        "blocks": blocks,
+        "dtype": "bf16",
         "max_block_bytes": stats["max_block_bytes"],
         "resident_bytes": stats["resident_bytes"],
         "device_weight_buffer_bytes": stats["device_weight_buffer_bytes"],
@@ -118,8 +171,12 @@ def profile(width: int, tokens: int, blocks: int) -> dict[str, Any]:
         "peak_minus_weights_bound_bytes(activations)": peak - 2 * stats["max_block_bytes"]
         - stats["resident_bytes"],
         "h2d_gbps": round(moved / transfer_s / 1e9, 2) if transfer_s else None,
-        "overlap_share": round(_overlap(_intervals(compute, origin),
-                                        _intervals(transfers, origin)), 3),
+        "h2d_gbps_copy": (round(stats["max_block_bytes"] * len(copies) / copy_s / 1e9, 2)
+                          if copy_s else None),
+        "overlap_share": round(_overlap(comp, _intervals(transfers, origin)), 3),
+        "transfer_hidden_share": round(_overlap(copies, comp), 3),
+        "stall_seconds": round(sum(a.elapsed_time(b) for a, b in stalls) / 1e3, 6),
+        "forward_seconds": round(origin.elapsed_time(done) / 1e3, 6),
         "wait_seconds": stats["wait_seconds"],
     }
     handle.close()
@@ -131,9 +188,60 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def steptime(device: torch.device, width: int, blocks: int, tokens: list[int], reps: int,
+             dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Forward time of the DiT resident on ``device`` against the same weights under DLO
+    (allgather at world 1: every block copied per forward from pinned host memory through the
+    two slots), per token count: a warm-up of each (their outputs compared bit for bit), then
+    ``reps`` forwards of each in turn (ABAB), each between two synchronizes; a figure is the
+    median, the ratio DLO's over resident's. Block 0's copy for the next DLO forward runs during
+    the resident forward between them. ``dlo_stall_s``: the compute stream's wait for blocks per
+    DLO forward."""
+    torch.manual_seed(0)
+    resident = DiT(width, blocks, dtype).eval().requires_grad_(False)
+    streamed = copy.deepcopy(resident)
+    resident.to(device)
+    handle = apply_dlo(streamed, device=device, use_allgather=True)
+    stats = handle.stats()
+    report: dict[str, Any] = {
+        "dp": 1, "width": width, "blocks": blocks, "dtype": str(dtype).removeprefix("torch."),
+        "model_bytes": sum(p.numel() * p.element_size() for p in resident.parameters()),
+        "block_bytes": block_bytes(width, dtype), "mode": stats["mode"],
+        "streamed_bytes_per_forward": stats["max_block_bytes"] * stats["num_blocks"],
+        "reps": reps, "points": []}
+    try:
+        with torch.no_grad():
+            for n in tokens:
+                g = torch.Generator().manual_seed(n)
+                x = torch.randn(1, n, 64, generator=g).to(device, dtype)
+                same = bool(torch.equal(resident(x), streamed(x)))
+                times: dict[str, list[float]] = {"resident": [], "dlo": []}
+                waited = handle.stats()["wait_seconds"]
+                for _ in range(reps):
+                    for name, model in (("resident", resident), ("dlo", streamed)):
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        model(x)
+                        _sync(device)
+                        times[name].append(time.perf_counter() - t0)
+                res, dlo = (statistics.median(times[k]) for k in ("resident", "dlo"))
+                report["points"].append({
+                    "tokens": n, "resident_s": round(res, 6), "dlo_s": round(dlo, 6),
+                    "dlo_over_resident": round(dlo / res, 3),
+                    "dlo_stall_s": round((handle.stats()["wait_seconds"] - waited) / reps, 6),
+                    "bit_equal": same})
+    finally:
+        handle.close()
+    del resident
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return report
+
+
 def _sp_rank(ctx: Any, shapes: list[tuple[int, ...]], reps: int) -> list[dict[str, Any]]:
     """One rank of a dp=1 x sp=2 group: kiln-tiny's transformer under DLO (allgather across the
     two ranks), whole and split, on the same input on both ranks."""
+    # kiln-tiny and the sequence layer: only the sp=2 case needs them.
     from runtime.launch import BACKENDS, device_for
     from runtime.models.tiny import build_tiny
     from runtime.sequence import Layout, open_sequence
@@ -180,7 +288,7 @@ def sp2_check(device: str, shapes: list[tuple[int, ...]], reps: int) -> dict[str
     if device == "cuda" and torch.cuda.device_count() < 2:
         return {"skipped": True,
                 "reason": f"sp=2 over NCCL needs 2 GPUs, {torch.cuda.device_count()} visible"}
-    from runtime.launch import run_ranks
+    from runtime.launch import run_ranks  # spawns the ranks; only the sp=2 case needs it
 
     per_rank = run_ranks(2, _sp_rank, shapes, reps, device=device, timeout_s=600)
     report: dict[str, Any] = {"skipped": False, "backend": "nccl" if device == "cuda" else "gloo",
@@ -205,6 +313,7 @@ def gathers_check(device: torch.device, sizes: list[tuple[int, int, int]], steps
                   passes: int) -> dict[str, Any]:
     """kiln-tiny's pipeline at dp=1, guidance on: blocks acquired per step and step time, CFG as
     one batch-2 forward against two batch-1 forwards, interleaved (the first pass warms up)."""
+    # kiln-tiny's pipeline: only the guidance case needs it.
     from runtime.pipelines.base import VideoRequest, agree_handles
     from runtime.pipelines.tiny import TinyPipeline
 
@@ -266,14 +375,21 @@ def _init_world(backend: str) -> None:
 
 def dry_run() -> dict[str, Any]:
     """The new cases on the CPU over gloo, small: that they run, not what a GPU measures."""
-    from common.procs import free_port
+    from common.procs import free_port  # only the dry run picks its own port
 
     os.environ["MASTER_PORT"] = str(free_port())
     torch.set_num_threads(1)
     _init_world("gloo")
+    no_gpu = "needs a CUDA device (pinned host memory, CUDA events, the device allocator)"
     report = {
         "dry_run": True,
         "device": "cpu",
+        "device_name": "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "link": {"skipped": True, "reason": no_gpu},
+        PROFILE_KEY: {"skipped": True, "reason": no_gpu},
+        "steptime": steptime(torch.device("cpu"), 128, 2, [16, 32, 64, 128], reps=2),
         # 48 tokens (kiln-tiny's default clip) and 27 (padded: 2 does not divide it).
         "sp2": sp2_check("cpu", [(1, 12, 3, 8, 8), (1, 12, 3, 6, 6)], reps=1),
         "gathers_per_step": gathers_check(torch.device("cpu"), [(64, 64, 9)], steps=2,
@@ -284,24 +400,47 @@ def dry_run() -> dict[str, Any]:
 
 
 def main() -> None:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true",
-                        help="run the sp2 and gathers_per_step cases on the CPU (gloo), small")
+                        help="run the steptime, sp2 and gathers_per_step cases on the CPU "
+                        "(gloo), small; the steptime options do not apply")
+    parser.add_argument("--width", type=int, default=2048, help="steptime: the DiT's width")
+    parser.add_argument("--blocks", type=int, default=16, help="steptime: the DiT's blocks")
+    parser.add_argument("--tokens", default="1024,4096,16384,32768",
+                        help="steptime: token counts, comma-separated")
+    parser.add_argument("--reps", type=int, default=10, help="steptime: forwards per mode")
+    parser.add_argument("--json", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     if args.dry_run:
-        print(json.dumps(dry_run(), indent=2))
-        return
-    if not torch.cuda.is_available():
-        print(json.dumps({"error": "no CUDA device"}))
-        return
+        report = dry_run()
+    elif not torch.cuda.is_available():
+        report = {"error": "no CUDA device"}
+    else:
+        report = gpu_run(args.width, args.blocks, [int(t) for t in args.tokens.split(",")],
+                         args.reps)
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+
+
+def gpu_run(width: int, blocks: int, tokens: list[int], reps: int) -> dict[str, Any]:
     _init_world("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device())
     report = {
         "device": torch.cuda.get_device_name(),
+        "device_name": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "link": link(),
         "exact_fp32": exactness(torch.float32, 1024, 1024, 6),
         "exact_bf16": exactness(torch.bfloat16, 1024, 1024, 6),
-        "profile_width3072_tokens8192_bf16": profile(3072, 8192, 12),
+        PROFILE_KEY: profile(**PROFILE),
+        "steptime": steptime(device, width, blocks, tokens, reps),
         # Latent shapes [1, C, F, H, W]: 48 tokens (the default clip), 27 (padded), 5120
         # (512x512x17) and 17408 (512x512x65).
         "sp2": sp2_check("cuda", [(1, 12, 3, 8, 8), (1, 12, 3, 6, 6), (1, 12, 5, 64, 64),
@@ -309,8 +448,8 @@ def main() -> None:
         "gathers_per_step": gathers_check(device, [(64, 64, 9), (256, 256, 17), (512, 512, 33)],
                                           steps=4, passes=5),
     }
-    print(json.dumps(report, indent=2))
     dist.destroy_process_group()
+    return report
 
 
 if __name__ == "__main__":
