@@ -1,6 +1,8 @@
 """A plain DiT-shaped model for the DLO benchmarks: attention + MLP blocks in one ModuleList.
 
-Shapes: x_BTD is (batch, tokens, width).
+Shapes: x_BTD is (batch, tokens, width). With ``sp`` (`runtime.sequence.SequenceParallel`) the
+model runs one input split along its tokens over the sp ranks, attention through the split's
+all-to-alls, as a sequence-parallel replica does.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runtime.sequence import SequenceParallel
 
 HEAD_DIM = 128
 
@@ -23,11 +27,17 @@ class DiTBlock(nn.Module):
         self.fc1 = nn.Linear(width, 4 * width, dtype=dtype)
         self.fc2 = nn.Linear(4 * width, width, dtype=dtype)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, sp: SequenceParallel | None = None,
+                length: int = 0) -> torch.Tensor:
+        """``sp``: x_BTD is this rank's shard of a sequence of ``length`` tokens."""
         B, T, D = x_BTD.shape
         qkv = self.qkv(self.norm1(x_BTD)).view(B, T, 3, self.num_heads, D // self.num_heads)
-        q_BHTK, k_BHTK, v_BHTK = qkv.permute(2, 0, 3, 1, 4)
-        attn_BTD = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK).transpose(1, 2)
+        if sp is None:
+            q_BHTK, k_BHTK, v_BHTK = qkv.permute(2, 0, 3, 1, 4)
+            attn_BTD = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK).transpose(1, 2)
+        else:
+            q_BTHK, k_BTHK, v_BTHK = qkv.unbind(2)
+            attn_BTD = sp.attention(q_BTHK, k_BTHK, v_BTHK, length, _attention_bthk)
         x_BTD = x_BTD + self.proj(attn_BTD.reshape(B, T, D))
         return x_BTD + self.fc2(F.gelu(self.fc1(self.norm2(x_BTD)), approximate="tanh"))
 
@@ -40,11 +50,22 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(width, dtype) for _ in range(num_blocks))
         self.head = nn.Linear(width, in_dim, dtype=dtype)
 
-    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTC: torch.Tensor, sp: SequenceParallel | None = None) -> torch.Tensor:
+        """``sp``: every rank of the split passes the whole input and gets the whole output."""
+        length = x_BTC.shape[1]
+        if sp is not None:
+            x_BTC = sp.split(x_BTC)
         x_BTD = self.embed(x_BTC)
         for block in self.blocks:
-            x_BTD = block(x_BTD)
-        return self.head(x_BTD)
+            x_BTD = block(x_BTD, sp, length)
+        out_BTC = self.head(x_BTD)
+        return out_BTC if sp is None else sp.gather(out_BTC, length)
+
+
+def _attention_bthk(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor,
+                    v_BTHK: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q_BTHK.transpose(1, 2), k_BTHK.transpose(1, 2), v_BTHK.transpose(1, 2)).transpose(1, 2)
 
 
 def block_bytes(width: int, dtype: torch.dtype) -> int:

@@ -14,9 +14,13 @@ said otherwise, DLO allgather, guidance on (the request defaults).
    ``--rounds`` rounds) so drift in machine load hits them alike. Figures: the median and the
    best over all timed jobs; a multi-rank figure is the slowest rank's (the group steps
    together). The final latents of every variant are compared with sp=1's (max abs diff).
-2. Throughput on a mixed workload: dp=2 (two replicas of one rank) against dp=1 x sp=2 (one
-   replica of two ranks) on the same two ranks, through the service's rank loop
-   (``runtime.rank_loop.run_loop`` with a ``RankLoop`` on every rank). Rank 0's driver is a small
+2. Throughput on a mixed workload: one rank alone (dp=1), dp=2 (two replicas of one rank)
+   and dp=1 x sp=2 (one replica of two ranks) on the same two ranks, through the service's rank
+   loop (``runtime.rank_loop.run_loop`` with a ``RankLoop`` on every rank); dp=2's efficiency
+   is its jobs per hour over twice dp=1's. dp=2 also runs in waves (``WavesDriver``: a free
+   replica takes a job only once every job started so far has finished, so each wave waits
+   for its longest job) against kiln's admission (a free replica takes the next job at the
+   next step boundary). Rank 0's driver is a small
    in-memory queue: every job is queued at t=0 (when the group has loaded and warmed up), it
    hands queued jobs FIFO to free replicas (``StepPlan.assign`` keyed by the replica's first
    rank) at step boundaries, records when each job's final status arrives, and stops when all
@@ -51,8 +55,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # (name, sp, torch threads per rank): sp=2 runs 2 ranks x 1 thread.
 LATENCY_VARIANTS = (("sp1_1thread", 1, 1), ("sp2", 2, 1), ("sp1_2threads", 1, 2))
-# (name, dp, sp): both on 2 ranks x 1 thread.
-THROUGHPUT_LAYOUTS = (("dp2", 2, 1), ("dp1_sp2", 1, 2))
+# (name, dp, sp, how jobs are admitted), 1 thread per rank: one rank alone, two replicas of
+# one rank with kiln's admission and in waves, one replica of two ranks.
+THROUGHPUT_LAYOUTS = (("dp1", 1, 1, "kiln"), ("dp2", 2, 1, "kiln"), ("dp2_waves", 2, 1, "waves"),
+                      ("dp1_sp2", 1, 2, "kiln"))
 # The mixed workload's cycle: (width, height, frames, steps).
 MIX = ((64, 64, 9, 4), (256, 256, 17, 4), (128, 128, 9, 8), (512, 512, 17, 2))
 PROMPTS = ("a red circle moving left", "a blue square moving up", "a green triangle bouncing",
@@ -224,14 +230,20 @@ class QueueDriver:
             return StepPlan(stop=True)
         self.turns += 1
         assign = {}
+        admits = self.admits()  # once per boundary: a wave is admitted whole
         for leader in self.leaders:
-            if leader not in self.busy and self.takes_jobs[leader] and self.queue:
+            if leader not in self.busy and self.takes_jobs[leader] and self.queue and admits:
                 job = self.queue.popleft()
                 job.started = time.perf_counter() - self.t0
                 assign[leader] = Ticket(job_id=job.job_id, attempt_token=f"a-{job.job_id}",
                                         request=job.request)
                 self.busy[leader] = job.job_id
         return StepPlan(assign=assign, step=bool(self.busy))
+
+    def admits(self) -> bool:
+        """Whether a free replica takes a queued job at this boundary: kiln's admission always
+        lets it."""
+        return True
 
     def record(self, statuses: list[Any]) -> None:
         now = time.perf_counter() - self.t0
@@ -263,11 +275,20 @@ class QueueDriver:
                 "turns": self.turns}
 
 
+class WavesDriver(QueueDriver):
+    """Jobs in waves: a free replica takes a job only once every job started so far has its
+    final status, so a wave of one job per replica waits for its longest."""
+
+    def admits(self) -> bool:
+        return all(j.finished is not None for j in self.jobs if j.started is not None)
+
+
 def _discard_write(frames: Any, job_id: str, fps: int) -> tuple[str, str]:
     return f"videos/{job_id}.mp4", f"thumbnails/{job_id}.png"
 
 
-def _serve_rank(ctx: Any, dp: int, sp: int, requests: list[Any]) -> dict[str, Any] | None:
+def _serve_rank(ctx: Any, dp: int, sp: int, requests: list[Any],
+                admission: str = "kiln") -> dict[str, Any] | None:
     from runtime.platform import get_platform
     from runtime.rank_loop import RankLoop, run_loop
     from runtime.render import run_lockstep
@@ -277,7 +298,8 @@ def _serve_rank(ctx: Any, dp: int, sp: int, requests: list[Any]) -> dict[str, An
     warm = [r for r in requests if r.width == 64][:1] * layout.dp or requests[:1] * layout.dp
     run_lockstep(pipe, layout.replica(ctx.rank), warm)
     loop = RankLoop(ctx.rank, pipe, _discard_write, get_platform("cpu"), layout=layout)
-    driver = QueueDriver(layout.leaders, requests) if ctx.rank == 0 else None
+    kind = WavesDriver if admission == "waves" else QueueDriver
+    driver = kind(layout.leaders, requests) if ctx.rank == 0 else None
     run_loop(ctx.rank, ctx.world, loop, driver)  # closes the loop and the pipeline
     return driver.summary() if driver is not None else None
 
@@ -298,22 +320,22 @@ def throughput(num_jobs: int, rounds: int,
     from runtime.launch import run_ranks
 
     requests = workload(num_jobs, mix)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in THROUGHPUT_LAYOUTS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in THROUGHPUT_LAYOUTS}
     for r in range(rounds):
-        for name, dp, sp in THROUGHPUT_LAYOUTS:
+        for name, dp, sp, admission in THROUGHPUT_LAYOUTS:
             print(f"throughput: round {r + 1}/{rounds}, {name} ...", file=sys.stderr, flush=True)
-            runs[name].append(run_ranks(dp * sp, _serve_rank, dp, sp, requests, threads=1,
-                                        timeout_s=600)[0])
+            runs[name].append(run_ranks(dp * sp, _serve_rank, dp, sp, requests, admission,
+                                        threads=1, timeout_s=600)[0])
     report: dict[str, Any] = {
         "jobs": num_jobs,
         "mix": [_name(c) for c in mix],
         "note": "all jobs queued at t=0; latency = submission to final status",
     }
-    for name, dp, sp in THROUGHPUT_LAYOUTS:
+    for name, dp, sp, admission in THROUGHPUT_LAYOUTS:
         per_run = runs[name]
         means = [statistics.fmean(run["latencies_s"]) for run in per_run]
         report[name] = {
-            "dp": dp, "sp": sp, "ranks": dp * sp, "threads_per_rank": 1,
+            "dp": dp, "sp": sp, "ranks": dp * sp, "threads_per_rank": 1, "admission": admission,
             "jobs_per_hour": round(statistics.median(num_jobs / run["makespan_s"] * 3600
                                                      for run in per_run)),
             "makespan_s": round(statistics.median(run["makespan_s"] for run in per_run), 3),
@@ -323,6 +345,12 @@ def throughput(num_jobs: int, rounds: int,
             "runs_makespan_s": [round(run["makespan_s"], 3) for run in per_run],
             "runs_mean_latency_s": [round(m, 3) for m in means],
         }
+    report["dp2_efficiency_vs_linear"] = round(report["dp2"]["jobs_per_hour"]
+                                               / (2 * report["dp1"]["jobs_per_hour"]), 3)
+    report["jobs_per_hour_kiln_over_waves"] = round(report["dp2"]["jobs_per_hour"]
+                                                    / report["dp2_waves"]["jobs_per_hour"], 3)
+    report["mean_latency_kiln_over_waves"] = round(report["dp2"]["mean_latency_s"]
+                                                   / report["dp2_waves"]["mean_latency_s"], 3)
     report["jobs_per_hour_sp2_over_dp2"] = round(report["dp1_sp2"]["jobs_per_hour"]
                                                  / report["dp2"]["jobs_per_hour"], 3)
     report["mean_latency_sp2_over_dp2"] = round(report["dp1_sp2"]["mean_latency_s"]
@@ -335,11 +363,15 @@ def print_throughput(report: dict[str, Any]) -> None:
           f"{'; '.join(report['mix'])} (median of the runs)")
     print(f"{'layout':<18}{'ranks':>6}{'jobs/h':>9}{'makespan s':>12}{'mean lat s':>12}"
           f"{'max lat s':>11}")
-    for name, _, _ in THROUGHPUT_LAYOUTS:
+    for name, *_ in THROUGHPUT_LAYOUTS:
         row = report[name]
-        label = f"dp={row['dp']} x sp={row['sp']}"
+        label = f"dp={row['dp']} x sp={row['sp']}" + (", waves" if name.endswith("waves") else "")
         print(f"{label:<18}{row['ranks']:>6}{row['jobs_per_hour']:>9}{row['makespan_s']:>12.2f}"
               f"{row['mean_latency_s']:>12.2f}{row['max_latency_s']:>11.2f}")
+    print(f"   dp=2 efficiency against linear (2 x dp=1): "
+          f"{report['dp2_efficiency_vs_linear']:.2f}; "
+          f"kiln's admission / waves: jobs per hour x{report['jobs_per_hour_kiln_over_waves']:.2f}"
+          f", mean latency x{report['mean_latency_kiln_over_waves']:.2f}")
     print(f"   sp=2 / dp=2: jobs per hour x{report['jobs_per_hour_sp2_over_dp2']:.2f}, "
           f"mean latency x{report['mean_latency_sp2_over_dp2']:.2f}")
 

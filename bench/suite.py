@@ -4,10 +4,12 @@ benchmark beside a report with tables and plots.
     python bench/suite.py [--out bench/results] [--report bench/REPORT.md] [--quick]
 
 The report opens with the machine it ran on; every number in it comes from this run's JSON.
-Sections so far: step time against tokens at dp=2 (``bench/steptime.py``), cold start at dp 1, 2
+Sections so far: step time against tokens on two ranks, dp=2 and sp=2 and the planner's
+choice (``bench/steptime.py``), cold start at dp 1, 2
 and 4 (``bench/coldstart.py``) and the memory model fitted to it, device weight buffers against
 depth (``bench/buffers.py``), request tiling
-(``bench/tiling.py``), dp=2 against sp=2 (``bench/layouts.py``), a short soak
+(``bench/tiling.py``), jobs per hour at dp 1 and 2, kiln's admission against waves and dp=2
+against sp=2 (``bench/layouts.py``), a short soak
 (``bench/chaos.py``) and the service
 (``bench/submit.py``, ``bench/service_latency.py``, ``bench/scheduler_claim.py``; they need
 PostgreSQL and Redis as the tests do). ``--quick``: small sizes, for a smoke run.
@@ -32,9 +34,11 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import steptime  # noqa: E402
+from bench.cuda_report import cuda_missing_section, cuda_section  # noqa: E402
 from runtime.planner import extrapolate_memory, machine_description  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -84,34 +88,50 @@ def _steptime_plot(result: dict[str, Any], path: Path) -> None:
     tokens = [p["tokens"] for p in result["points"]]
     _line_plot(path, {name: (tokens, [p["ratio_to_resident"][name] for p in result["points"]])
                       for name in _modes(result)},
-               xlabel="tokens per forward", ylabel="forward time / resident copy's",
-               title=f"dp=2, DiT width {result['width']} x {result['blocks']} blocks, fp32 "
+               xlabel="tokens per forward",
+               ylabel="forward time / resident copy's (sp=2: one job's)",
+               title=f"two ranks, DiT width {result['width']} x {result['blocks']} blocks, fp32 "
                      f"({result['model_bytes'] / 1e9:.2f} GB)",
                xticks=tokens, log2_x=True, unit_line=True)
 
 
 def _steptime_section(result: dict[str, Any], plot: str) -> list[str]:
-    lines = ["## Step time against tokens (dp=2)", "",
-             f"Each rank runs its own input through the same model ({result['blocks']} blocks "
-             f"of width {result['width']}, fp32, {result['model_bytes'] / 1e9:.2f} GB) held "
-             "five ways, in rotation; the figure is the forward time over the resident copy's "
-             f"in the same pass (best of {result['passes']} passes, median of {result['reps']} "
-             f"forwards each, the slower rank's; torch threads per rank: "
-             f"{result['threads_per_rank']}).", "",
+    modes = _modes(result)
+    lines = ["## Step time against tokens (two ranks)", "",
+             f"Two ranks run the same model ({result['blocks']} blocks of width "
+             f"{result['width']}, fp32, {result['model_bytes'] / 1e9:.2f} GB) held seven ways, "
+             "in rotation; the figure is the forward time over the resident copy's in the same "
+             f"pass (best of {result['passes']} passes, median of {result['reps']} forwards "
+             f"each, the slower rank's; torch threads per rank: {result['threads_per_rank']}).",
+             "", "At dp=2 each rank runs its own input, as a replica renders its own job:", "",
              "- resident: a whole copy per rank;",
              "- fsdp2: PyTorch's `fully_shard` per block, half of every block per rank;",
              "- kiln-allgather: half of every block per rank, gathered into two fixed slots;",
              "- kiln-rank-local: whole blocks copied from the rank's own copy through the "
              "slots (rank-local on an accelerator);",
              "- kiln-mapped: every block bound to one safetensors file both ranks map "
-             "(what rank-local does with a checkpoint on the CPU).",
-             "", f"![step time against tokens]({plot})", "",
-             "| tokens | " + " | ".join(_modes(result)) + " | resident s |",
-             "|---:|" + "---:|" * (len(_modes(result)) + 1)]
+             "(what rank-local does with a checkpoint on the CPU).", "",
+             "At sp=2 both ranks run one input split along its tokens (attention through four "
+             "all-to-alls per block), on the allgather model (sp2-allgather) and on the mapped "
+             "one (sp2-mapped). Their figure is one job's latency over a resident rank's; a job "
+             "holds both ranks, so per job they cost twice that in rank time (the sp=2 rank "
+             "time column).", "",
+             "kiln's planner (`runtime.planner.plan`) is fed a profile of this model from the "
+             "same run (a block's compute against tokens fitted from the resident forwards at "
+             "the smallest and largest token count; all-gather and all-to-all rates timed "
+             "alone) and picks a layout and mode per token count, for jobs per hour and for "
+             "one job's latency; beside each pick is what that form measured.", "",
+             f"![step time against tokens]({plot})", "",
+             "| tokens | " + " | ".join(modes) + " | sp=2 rank time (allgather · mapped) "
+             "| planner, jobs/h | planner, latency | resident s |",
+             "|---:|" + "---:|" * len(modes) + "---|---|---|---:|"]
     for p in result["points"]:
-        lines.append(f"| {p['tokens']} | " + " | ".join(
-            f"{p['ratio_to_resident'][m]:.3f}" for m in _modes(result))
-            + f" | {p['seconds']['resident']:.3f} |")
+        r = p["ratio_to_resident"]
+        picks = [f"{p['planner'][g]['layout']} ({p['planner'][g]['measured_as']}: "
+                 f"{p['planner'][g]['ratio_to_resident']:.3f})" for g in ("throughput", "latency")]
+        lines.append(f"| {p['tokens']} | " + " | ".join(f"{r[m]:.3f}" for m in modes)
+                     + f" | {2 * r['sp2-allgather']:.2f} · {2 * r['sp2-mapped']:.2f} | "
+                     + " | ".join(picks) + f" | {p['seconds']['resident']:.3f} |")
     lines += ["", "Where kiln loses, and why:", ""]
     lines += [f"- {f}" for f in result["findings"]] or ["- nowhere in this run"]
     return lines + [""]
@@ -135,6 +155,9 @@ SCRIPTS: dict[str, tuple[list[str], list[str] | None]] = {
                  "2", "--jobs", "8", "--json", "{json}"],
                 ["layouts.py", "--sizes", "64x64x9x4", "--reps", "1", "--rounds", "1", "--jobs",
                  "2", "--mix", "64x64x9x4", "--json", "{json}"]),
+    # The GPU check: only with --device cuda (its --dry-run runs the same code on the CPU).
+    "cuda": (["cuda_check.py", "--json", "{json}"],
+             ["cuda_check.py", "--dry-run", "--json", "{json}"]),
     # The soak starts a whole service of its own and takes minutes at any size: not in --quick.
     "soak": (["chaos.py", "--jobs", "100", "--faults", "6", "--json", "{json}"], None),
     "claim": (["scheduler_claim.py", "--jobs", "100000", "--claims", "300", "--json", "{json}"],
@@ -332,31 +355,68 @@ def _tiling_section(result: dict[str, Any], plot: str) -> list[str]:
     return lines + [""]
 
 
-def _layouts_section(result: dict[str, Any]) -> list[str]:
+THROUGHPUT_ROWS = (("dp1", "dp=1 (one rank)"), ("dp2", "dp=2, kiln's admission"),
+                   ("dp2_waves", "dp=2, waves"), ("dp1_sp2", "dp=1 x sp=2"))
+
+
+def _throughput_plot(result: dict[str, Any], path: Path) -> None:
+    thr = result["throughput"]
+    rows = [(label, thr[key]) for key, label in THROUGHPUT_ROWS if key in thr]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8), dpi=110)
+    names = [label for label, _ in rows]
+    left.barh(names, [r["jobs_per_hour"] for _, r in rows], color="tab:blue")
+    left.set_xlabel("jobs per hour")
+    left.invert_yaxis()
+    right.barh(names, [r["mean_latency_s"] for _, r in rows], color="tab:orange")
+    right.set_xlabel("mean latency, s (queued to done)")
+    right.invert_yaxis()
+    right.set_yticklabels([])
+    fig.suptitle(f"{result['model']}: {thr['jobs']} mixed jobs queued at once")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _layouts_section(result: dict[str, Any], plot: str) -> list[str]:
     lat, thr = result["latency"], result["throughput"]
-    lines = ["## Layouts: two replicas (dp=2) against one split job (sp=2)", "",
-             f"{result['model']} on two CPU ranks over {result['backend']}, {result['mode']}, "
-             f"guidance on (`{result['command']}`). One job's latency, seconds (median of "
-             f"{result['latency_reps']} timed jobs a round, {result['rounds']} rounds "
-             "interleaved); sp=1 runs once on one thread (one rank's cores) and once on two "
-             "(the same cores sp=2 uses):", "",
-             "| clip | tokens | sp=1, 1 thread | sp=2, 2 x 1 thread | sp=1, 2 threads | "
-             "sp=1 (2 threads) / sp=2 |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["## Throughput and layouts", "",
+             f"{result['model']} on CPU ranks over {result['backend']}, {result['mode']}, "
+             f"guidance on, one torch thread per rank (`{result['command']}`).", "",
+             f"Jobs per hour: {thr['jobs']} jobs queued at once, cycling "
+             f"{'; '.join(thr['mix'])}, through the service's rank loop (median of "
+             f"{result['rounds']} runs, interleaved). dp=1 is one rank alone; dp=2 two replicas "
+             "of one rank, once with kiln's admission (a free replica takes the next job at "
+             "the next step boundary) and once in waves (the next job per replica only once "
+             "every job started has finished); dp=1 x sp=2 one replica of both ranks.", "",
+             f"![throughput]({plot})", "",
+             "| layout | ranks | jobs/h | makespan s | mean latency s | max latency s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for key, label in THROUGHPUT_ROWS:
+        r = thr[key]
+        lines.append(f"| {label} | {r['ranks']} | {r['jobs_per_hour']} | "
+                     f"{r['makespan_s']:.2f} | {r['mean_latency_s']:.2f} | "
+                     f"{r['max_latency_s']:.2f} |")
+    lines += ["", f"- dp=2 against linear (twice dp=1's jobs per hour): "
+              f"{thr['dp2_efficiency_vs_linear']:.2f}.",
+              f"- kiln's admission against waves: jobs per hour "
+              f"x{thr['jobs_per_hour_kiln_over_waves']}, mean latency "
+              f"x{thr['mean_latency_kiln_over_waves']}.",
+              f"- sp=2 against dp=2: jobs per hour x{thr['jobs_per_hour_sp2_over_dp2']}, mean "
+              f"latency x{thr['mean_latency_sp2_over_dp2']}.", ""]
+    if thr["dp2_efficiency_vs_linear"] < 0.9:
+        lines += [f"dp=2 falls short of linear ({thr['dp2_efficiency_vs_linear']:.2f}): its two "
+                  "ranks gather each block's halves from each other, a collective over gloo "
+                  "on the cores their compute needs, where the rank alone holds every block "
+                  "whole; and both share one machine's memory bandwidth.", ""]
+    lines += [f"One job's latency, seconds (median of {result['latency_reps']} timed jobs a "
+              f"round, {result['rounds']} rounds interleaved); sp=1 runs once on one thread "
+              "(one rank's cores) and once on two (the same cores sp=2 uses):", "",
+              "| clip | tokens | sp=1, 1 thread | sp=2, 2 x 1 thread | sp=1, 2 threads | "
+              "sp=1 (2 threads) / sp=2 |", "|---|---:|---:|---:|---:|---:|"]
     for clip, r in lat.items():
         lines.append(f"| {clip} | {r['tokens']} | {r['sp1_1thread']['job_s']:.3f} | "
                      f"{r['sp2']['job_s']:.3f} | {r['sp1_2threads']['job_s']:.3f} | "
                      f"{r['sp1_2threads_over_sp2']:.2f} |")
-    lines += ["", f"Throughput: {thr['jobs']} jobs queued at once, cycling "
-              f"{'; '.join(thr['mix'])}, through the service's rank loop (median of the "
-              "runs):", "", "| layout | jobs/h | makespan s | mean latency s | max latency s |",
-              "|---|---:|---:|---:|---:|"]
-    for key in ("dp2", "dp1_sp2"):
-        r = thr[key]
-        lines.append(f"| dp={r['dp']} x sp={r['sp']} | {r['jobs_per_hour']} | "
-                     f"{r['makespan_s']:.2f} | {r['mean_latency_s']:.2f} | "
-                     f"{r['max_latency_s']:.2f} |")
-    lines += ["", f"sp=2 over dp=2: jobs per hour x{thr['jobs_per_hour_sp2_over_dp2']}, mean "
-              f"latency x{thr['mean_latency_sp2_over_dp2']}."]
     return lines + [""]
 
 
@@ -458,12 +518,19 @@ def write_report(out: Path, report: Path) -> None:
         _tiling_plot(tiling, out / "tiling.png")
         lines += _tiling_section(tiling, os.path.relpath(out / "tiling.png", report.parent))
     if (out / "layouts.json").is_file():
-        lines += _layouts_section(json.loads((out / "layouts.json").read_text()))
+        layouts = json.loads((out / "layouts.json").read_text())
+        _throughput_plot(layouts, out / "throughput.png")
+        lines += _layouts_section(layouts, os.path.relpath(out / "throughput.png",
+                                                           report.parent))
     if (out / "soak.json").is_file():
         lines += _soak_section(json.loads((out / "soak.json").read_text()))
     if all((out / f"{n}.json").is_file() for n in ("submit", "service_latency", "claim")):
         lines += _service_section(*(json.loads((out / f"{n}.json").read_text())
                                     for n in ("submit", "service_latency", "claim")))
+    if (out / "cuda.json").is_file():
+        lines += cuda_section(json.loads((out / "cuda.json").read_text()), out, report.parent)
+    else:
+        lines += cuda_missing_section()
     report.write_text("\n".join(lines))
 
 
@@ -472,14 +539,27 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--report", default="bench/REPORT.md")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: run the GPU check (bench/cuda_check.py) and add its section "
+                         "to the report of the CPU figures under --out")
     ap.add_argument("--report-only", action="store_true",
                     help="write the report from the JSON already under --out")
     args = ap.parse_args()
     out, report = Path(args.out), Path(args.report)
-    if not args.report_only:
+    if args.device == "cuda":
+        # The GPU section alone, beside the CPU figures already under --out.
+        if not args.quick and not torch.cuda.is_available():
+            sys.exit("--device cuda: torch sees no CUDA device here (torch "
+                     f"{torch.__version__}); `make install` on a GPU machine installs the CUDA "
+                     "build (see the Makefile)")
+        out.mkdir(parents=True, exist_ok=True)
+        print("cuda check ...", file=sys.stderr)
+        run_script("cuda", out, args.quick)
+    elif not args.report_only:
         out.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         info = machine()
+        took: dict[str, float] = {}
         sizes = ({"tokens": [64, 128], "width": 256, "blocks": 4, "reps": 1, "passes": 1}
                  if args.quick else
                  # 2048 tokens would add five minutes (a forward takes 13 s on one core).
@@ -487,12 +567,16 @@ def main() -> None:
                   "passes": 2})
         print("step time against tokens ...", file=sys.stderr)
         (out / "steptime.json").write_text(json.dumps(steptime.run(**sizes), indent=1))
+        took["steptime"] = round(time.perf_counter() - started, 1)
         for name, (_, small) in SCRIPTS.items():
-            if args.quick and small is None:
+            if name == "cuda" or (args.quick and small is None):
                 continue
             print(f"{name} ...", file=sys.stderr)
+            t0 = time.perf_counter()
             run_script(name, out, args.quick)
+            took[name] = round(time.perf_counter() - t0, 1)
         info["suite_seconds"] = round(time.perf_counter() - started, 1)
+        info["seconds"] = took
         (out / "machine.json").write_text(json.dumps(info, indent=1))
     write_report(out, report)
     print(f"report: {report} (figures: {out}/)")

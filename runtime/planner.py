@@ -155,9 +155,10 @@ def measure_layout(model: str, layout: Layout, mode: str, job: JobShape, *, step
                     host_bytes=sum(r["host"] for r in per_rank), dlo=r0["dlo"])
 
 
-def _collectives_on_rank(ctx: RankContext, nbytes: int, reps: int) -> dict[str, float]:
-    """Median seconds of an all-gather into ``nbytes`` and of an all-to-all of ``nbytes``, and
-    of the same with 256 bytes (the fixed cost of one collective), on ranks doing nothing else
+def time_collectives(ctx: RankContext, nbytes: int, reps: int) -> dict[str, float]:
+    """Every rank of a process group calls it: median seconds of an all-gather into ``nbytes``
+    and of an all-to-all of ``nbytes``, and of the same with 256 bytes (the fixed cost of one
+    collective), on ranks doing nothing else
     (the DLO engine's own gather timings include waiting for a peer still computing, which is
     not the link)."""
     def timed(op: Any) -> float:
@@ -179,6 +180,19 @@ def _collectives_on_rank(ctx: RankContext, nbytes: int, reps: int) -> dict[str, 
             lambda r=result, x=part: dist.all_gather_into_tensor(r, x))
         out[f"a2a_{name}"] = timed(lambda r=result, x=full: dist.all_to_all_single(r, x))
     return out
+
+
+def link_figures(times: dict[str, float], nbytes: int, world: int) -> dict[str, float]:
+    """A profile's link fields from `time_collectives`' figures on ``world`` ranks: seconds
+    per byte a rank receives (all-gather) or sends (all-to-all), and each one's fixed cost."""
+    moved = nbytes * (world - 1) / world
+
+    def rate(kind: str) -> float:
+        return max(0.0, times[f"{kind}_large"] - times[f"{kind}_small"]) / moved
+    return {"gather_seconds_per_byte": rate("gather"),
+            "gather_latency_seconds": times["gather_small"],
+            "all_to_all_seconds_per_byte": rate("a2a"),
+            "all_to_all_latency_seconds": times["a2a_small"]}
 
 
 def _crowded_on_rank(ctx: RankContext, iters: int) -> float:
@@ -337,11 +351,8 @@ def measure_profile(model: str, *, jobs: tuple[JobShape, JobShape] | None = None
     slope = max(0.0, (c_large - c_small) / max(1, tokens[1] - tokens[0]))
     intercept = max(0.0, c_small - slope * tokens[0])
     probe = max(2**20, stats["max_block_bytes"])
-    links = run_ranks(2, _collectives_on_rank, probe, 9, threads=1, timeout_s=300)[0]
-    received = probe / 2  # of each collective, what a rank of two receives
-
-    def rate(kind: str) -> float:
-        return max(0.0, links[f"{kind}_large"] - links[f"{kind}_small"]) / received
+    links = link_figures(run_ranks(2, time_collectives, probe, 9, threads=1,
+                                   timeout_s=300)[0], probe, 2)
     cores = os.cpu_count() or 1
     crowded = run_ranks(2 * cores, _crowded_on_rank, 20, threads=1, timeout_s=300)[0]
     width = _width_of(model)
@@ -357,9 +368,7 @@ def measure_profile(model: str, *, jobs: tuple[JobShape, JobShape] | None = None
         created_at=time.time(), cores=os.cpu_count() or 1, num_blocks=num_blocks,
         max_block_bytes=stats["max_block_bytes"], block_bytes=block_bytes,
         nonblock_bytes=stats["resident_bytes"], width_tokens=tokens,
-        block_seconds=(intercept, slope), gather_seconds_per_byte=rate("gather"),
-        gather_latency_seconds=links["gather_small"],
-        all_to_all_seconds_per_byte=rate("a2a"), all_to_all_latency_seconds=links["a2a_small"],
+        block_seconds=(intercept, slope), **links,
         activation_bytes_per_token=per_token, prepare_seconds=ag_large.prepare_seconds,
         decode_seconds=ag_large.decode_seconds,
         decode_pixels=large.width * large.height * large.num_frames,

@@ -28,15 +28,24 @@ def test_the_quick_suite_writes_json_a_plot_and_a_report_from_them(tmp_path: Pat
     assert "![step time against tokens](results/steptime.png)" in text
     for p in steptime["points"]:  # the table is the JSON's figures
         assert f"| {p['tokens']} | 1.000 | {p['ratio_to_resident']['fsdp2']:.3f} |" in text
+        assert {"sp2-allgather", "sp2-mapped"} <= set(p["ratio_to_resident"])
+        pick = p["planner"]["throughput"]
+        assert pick["ratio_to_resident"] == p["ratio_to_resident"][pick["measured_as"]]
+        assert f"{pick['layout']} ({pick['measured_as']}: {pick['ratio_to_resident']:.3f})" in text
     for name in ("coldstart", "buffers", "tiling", "layouts", "submit", "service_latency",
                  "claim"):
         assert json.loads((out / f"{name}.json").read_text())["command"].startswith(
             "python bench/"), name
-    for plot in ("coldstart", "buffers", "tiling"):
+    for plot in ("coldstart", "buffers", "tiling", "throughput"):
         assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for title in ("## Cold start", "## The memory model", "## Device weight buffers",
-                  "## Request tiling", "## Layouts", "## Service"):
+                  "## Request tiling", "## Throughput and layouts", "## Service", "## GPU"):
         assert title in text
+    throughput = json.loads((out / "layouts.json").read_text())["throughput"]
+    assert {"dp1", "dp2", "dp2_waves", "dp1_sp2"} <= set(throughput)
+    assert f"dp=2 against linear (twice dp=1's jobs per hour): " \
+           f"{throughput['dp2_efficiency_vs_linear']:.2f}." in text
+    assert "No GPU was present for this run" in text  # --quick runs no GPU check
     cold = json.loads((out / "coldstart.json").read_text())
     assert set(cold["runs"]) == {"2"}
     for run in cold["runs"].values():  # each mode's row is the JSON's steady figure
@@ -57,3 +66,21 @@ def test_the_committed_report_is_what_its_json_says(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "REPORT.md").read_text() == (REPO / "bench" / "REPORT.md").read_text()
+
+
+def test_the_gpu_section_is_written_from_the_gpu_checks_json(tmp_path: Path) -> None:
+    """``--device cuda`` adds the GPU section to the report of the figures already there; with
+    ``--quick`` the check is its CPU dry run, which exercises the same code."""
+    shutil.copytree(REPO / "bench" / "results", tmp_path / "results")
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "suite.py"), "--device", "cuda",
+                           "--quick", "--out", str(tmp_path / "results"),
+                           "--report", str(tmp_path / "REPORT.md")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    cuda = json.loads((tmp_path / "results" / "cuda.json").read_text())
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "## GPU" in text and "No GPU was present" not in text
+    assert "A dry run on the CPU" in text
+    for p in cuda["steptime"]["points"]:
+        assert f"| {p['tokens']} | " in text
+    assert (tmp_path / "results" / "cuda_steptime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
