@@ -14,19 +14,19 @@ said otherwise, DLO allgather, guidance on (the request defaults).
    ``--rounds`` rounds) so drift in machine load hits them alike. Figures: the median and the
    best over all timed jobs; a multi-rank figure is the slowest rank's (the group steps
    together). The final latents of every variant are compared with sp=1's (max abs diff).
-2. Throughput on a mixed workload: one rank alone (dp=1), dp=2 (two replicas of one rank)
-   and dp=1 x sp=2 (one replica of two ranks) on the same two ranks, through the service's rank
-   loop (``runtime.rank_loop.run_loop`` with a ``RankLoop`` on every rank); dp=2's efficiency
-   is its jobs per hour over twice dp=1's. dp=2 also runs in waves (``WavesDriver``: a free
-   replica takes a job only once every job started so far has finished, so each wave waits
-   for its longest job) against kiln's admission (a free replica takes the next job at the
-   next step boundary). Rank 0's driver is a small
-   in-memory queue: every job is queued at t=0 (when the group has loaded and warmed up), it
-   hands queued jobs FIFO to free replicas (``StepPlan.assign`` keyed by the replica's first
-   rank) at step boundaries, records when each job's final status arrives, and stops when all
-   are done; ``write`` discards the frames. Figures per run: jobs per hour (jobs / the time the
-   last one finished) and the mean and largest latency (submission to finish); runs interleaved
-   (dp2, sp2, dp2, sp2, ...), median over ``--rounds``.
+2. Throughput, through the service's rank loop (``runtime.rank_loop.run_loop`` with a ``RankLoop``
+   on every rank). On jobs all alike (``--uniform``): one rank alone (dp=1) against dp=2 (two
+   replicas of one rank), dp=2's efficiency being its jobs per hour over twice dp=1's. On a mixed
+   workload (``--mix``): dp=2 with kiln's admission (a free replica takes the next job at the next
+   step boundary) and in waves (``WavesDriver``: a free replica takes a job only once every job
+   started so far has finished, so each wave waits for its longest job), and dp=1 x sp=2 (one
+   replica of two ranks), on the same two ranks. Rank 0's driver is a small in-memory queue: every
+   job is queued at t=0 (when the group has loaded and warmed up), it hands queued jobs FIFO to free
+   replicas (``StepPlan.assign`` keyed by the replica's first rank) at step boundaries, records when
+   each job's final status arrives, and stops when all are done; ``write`` discards the frames.
+   Figures per run: jobs per hour (jobs / the time the last one finished) and the mean and largest
+   latency (submission to finish); runs interleaved (dp1, dp2 uniform, dp2 mixed, waves, sp2, dp1,
+   ...), median over ``--rounds``.
 
 Prints a table per part and writes the figures as JSON (``--json``; by default under out/,
 which git ignores).
@@ -55,12 +55,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 # (name, sp, torch threads per rank): sp=2 runs 2 ranks x 1 thread.
 LATENCY_VARIANTS = (("sp1_1thread", 1, 1), ("sp2", 2, 1), ("sp1_2threads", 1, 2))
-# (name, dp, sp, how jobs are admitted), 1 thread per rank: one rank alone, two replicas of
-# one rank with kiln's admission and in waves, one replica of two ranks.
-THROUGHPUT_LAYOUTS = (("dp1", 1, 1, "kiln"), ("dp2", 2, 1, "kiln"), ("dp2_waves", 2, 1, "waves"),
-                      ("dp1_sp2", 1, 2, "kiln"))
-# The mixed workload's cycle: (width, height, frames, steps).
-MIX = ((64, 64, 9, 4), (256, 256, 17, 4), (128, 128, 9, 8), (512, 512, 17, 2))
+# (name, dp, sp, how jobs are admitted, workload), 1 thread per rank: on jobs all alike, one
+# rank alone and two replicas of one rank; on the mixed workload, two replicas with kiln's
+# admission and in waves, and one replica of two ranks.
+THROUGHPUT_LAYOUTS = (("dp1", 1, 1, "kiln", "uniform"), ("dp2_uniform", 2, 1, "kiln", "uniform"),
+                      ("dp2", 2, 1, "kiln", "mixed"), ("dp2_waves", 2, 1, "waves", "mixed"),
+                      ("dp1_sp2", 1, 2, "kiln", "mixed"))
+# The mixed workload's cycle: (width, height, frames, steps); two sizes, steps from 4 to 16.
+MIX = ((128, 128, 9, 4), (256, 256, 17, 8), (128, 128, 9, 16), (256, 256, 17, 4),
+       (128, 128, 9, 8), (256, 256, 17, 16))
+# The workload of jobs all alike, for dp=2 against dp=1.
+UNIFORM = (256, 256, 17, 8)
 PROMPTS = ("a red circle moving left", "a blue square moving up", "a green triangle bouncing",
            "a yellow circle moving right", "a purple square moving down",
            "a cyan triangle moving left")
@@ -315,27 +320,32 @@ def workload(num_jobs: int, mix: list[tuple[int, int, int, int]]) -> list[Any]:
     return jobs
 
 
-def throughput(num_jobs: int, rounds: int,
-               mix: list[tuple[int, int, int, int]]) -> dict[str, Any]:
+def throughput(num_jobs: int, rounds: int, mix: list[tuple[int, int, int, int]],
+               uniform: tuple[int, int, int, int] = UNIFORM,
+               uniform_jobs: int = 6) -> dict[str, Any]:
     from runtime.launch import run_ranks
 
-    requests = workload(num_jobs, mix)
+    workloads = {"mixed": workload(num_jobs, mix), "uniform": workload(uniform_jobs, [uniform])}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in THROUGHPUT_LAYOUTS}
     for r in range(rounds):
-        for name, dp, sp, admission in THROUGHPUT_LAYOUTS:
+        for name, dp, sp, admission, jobs in THROUGHPUT_LAYOUTS:
             print(f"throughput: round {r + 1}/{rounds}, {name} ...", file=sys.stderr, flush=True)
-            runs[name].append(run_ranks(dp * sp, _serve_rank, dp, sp, requests, admission,
-                                        threads=1, timeout_s=600)[0])
+            runs[name].append(run_ranks(dp * sp, _serve_rank, dp, sp, workloads[jobs],
+                                        admission, threads=1, timeout_s=600)[0])
     report: dict[str, Any] = {
         "jobs": num_jobs,
         "mix": [_name(c) for c in mix],
+        "uniform_jobs": uniform_jobs,
+        "uniform": _name(uniform),
         "note": "all jobs queued at t=0; latency = submission to final status",
     }
-    for name, dp, sp, admission in THROUGHPUT_LAYOUTS:
+    for name, dp, sp, admission, jobs in THROUGHPUT_LAYOUTS:
         per_run = runs[name]
         means = [statistics.fmean(run["latencies_s"]) for run in per_run]
+        num_jobs = len(workloads[jobs])
         report[name] = {
             "dp": dp, "sp": sp, "ranks": dp * sp, "threads_per_rank": 1, "admission": admission,
+            "workload": jobs,
             "jobs_per_hour": round(statistics.median(num_jobs / run["makespan_s"] * 3600
                                                      for run in per_run)),
             "makespan_s": round(statistics.median(run["makespan_s"] for run in per_run), 3),
@@ -345,7 +355,7 @@ def throughput(num_jobs: int, rounds: int,
             "runs_makespan_s": [round(run["makespan_s"], 3) for run in per_run],
             "runs_mean_latency_s": [round(m, 3) for m in means],
         }
-    report["dp2_efficiency_vs_linear"] = round(report["dp2"]["jobs_per_hour"]
+    report["dp2_efficiency_vs_linear"] = round(report["dp2_uniform"]["jobs_per_hour"]
                                                / (2 * report["dp1"]["jobs_per_hour"]), 3)
     report["jobs_per_hour_kiln_over_waves"] = round(report["dp2"]["jobs_per_hour"]
                                                     / report["dp2_waves"]["jobs_per_hour"], 3)
@@ -359,14 +369,16 @@ def throughput(num_jobs: int, rounds: int,
 
 
 def print_throughput(report: dict[str, Any]) -> None:
-    print(f"\n2. Workload: {report['jobs']} jobs queued at t=0, cycling "
-          f"{'; '.join(report['mix'])} (median of the runs)")
-    print(f"{'layout':<18}{'ranks':>6}{'jobs/h':>9}{'makespan s':>12}{'mean lat s':>12}"
+    print(f"\n2. Workloads, every job queued at t=0 (median of the runs): uniform, "
+          f"{report['uniform_jobs']} x {report['uniform']}; mixed, {report['jobs']} jobs cycling "
+          f"{'; '.join(report['mix'])}")
+    print(f"{'layout':<28}{'ranks':>6}{'jobs/h':>9}{'makespan s':>12}{'mean lat s':>12}"
           f"{'max lat s':>11}")
     for name, *_ in THROUGHPUT_LAYOUTS:
         row = report[name]
-        label = f"dp={row['dp']} x sp={row['sp']}" + (", waves" if name.endswith("waves") else "")
-        print(f"{label:<18}{row['ranks']:>6}{row['jobs_per_hour']:>9}{row['makespan_s']:>12.2f}"
+        label = (f"dp={row['dp']} x sp={row['sp']}, {row['workload']}"
+                 + (", waves" if name.endswith("waves") else ""))
+        print(f"{label:<28}{row['ranks']:>6}{row['jobs_per_hour']:>9}{row['makespan_s']:>12.2f}"
               f"{row['mean_latency_s']:>12.2f}{row['max_latency_s']:>11.2f}")
     print(f"   dp=2 efficiency against linear (2 x dp=1): "
           f"{report['dp2_efficiency_vs_linear']:.2f}; "
@@ -386,6 +398,9 @@ def main() -> None:
     parser.add_argument("--mix", default=",".join(f"{w}x{h}x{f}x{s}" for w, h, f, s in MIX),
                         help="the workload's clips, WxHxF[xSTEPS], comma-separated: job i is "
                              "clip i mod their number")
+    parser.add_argument("--uniform", default="x".join(str(v) for v in UNIFORM),
+                        help="the clip of the jobs all alike (dp=1 against dp=2), WxHxF[xSTEPS]")
+    parser.add_argument("--uniform-jobs", type=int, default=6)
     parser.add_argument("--part", default="latency,throughput")
     parser.add_argument("--json", default=str(REPO / "out" / "bench" / "layouts.json"))
     args = parser.parse_args()
@@ -406,7 +421,8 @@ def main() -> None:
         print_latency(report["latency"])
     if "throughput" in parts:
         mix = [_parse_clip(s) for s in args.mix.split(",")]
-        report["throughput"] = throughput(args.jobs, args.rounds, mix)
+        report["throughput"] = throughput(args.jobs, args.rounds, mix,
+                                          _parse_clip(args.uniform), args.uniform_jobs)
         print_throughput(report["throughput"])
     report["wall_s"] = round(time.perf_counter() - started, 1)
     path = Path(args.json)

@@ -43,7 +43,7 @@ def test_the_quick_suite_writes_json_a_plot_and_a_report_from_them(tmp_path: Pat
         assert title in text
     throughput = json.loads((out / "layouts.json").read_text())["throughput"]
     assert {"dp1", "dp2", "dp2_waves", "dp1_sp2"} <= set(throughput)
-    assert f"dp=2 against linear (twice dp=1's jobs per hour): " \
+    assert f"dp=2 against linear (twice dp=1's jobs per hour, jobs alike): " \
            f"{throughput['dp2_efficiency_vs_linear']:.2f}." in text
     assert "No GPU was present for this run" in text  # --quick runs no GPU check
     cold = json.loads((out / "coldstart.json").read_text())
