@@ -254,8 +254,9 @@ def findings(points: list[dict[str, Any]]) -> list[str]:
                 out.append(f"at {n} tokens {mode} finishes one job in {r[mode]:.2f}x a "
                            f"resident rank's time but holds both ranks: {cost[mode]:.2f}x the "
                            f"rank time per job, against {cost[cheapest]:.2f}x for {cheapest} "
-                           "(every block adds four all-to-alls over gloo, which at this size "
-                           "cost more than the half of the compute each rank is spared)")
+                           "(each rank computes half the tokens, but every block adds four "
+                           "all-to-alls over gloo that both ranks wait in: sp=2 buys one job's "
+                           "latency, not jobs per hour)")
     if len(points) > 1:
         first, last = points[0], points[-1]
         ratio = [p["ratio_to_resident"]["kiln-allgather"] for p in (first, last)]

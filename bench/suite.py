@@ -2,6 +2,7 @@
 benchmark beside a report with tables and plots.
 
     python bench/suite.py [--out bench/results] [--report bench/REPORT.md] [--quick]
+    python bench/suite.py --device cuda    # on a GPU: adds the GPU section (bench/cuda_check.py)
 
 The report opens with the machine it ran on; every number in it comes from this run's JSON.
 Sections so far: step time against tokens on two ranks, dp=2 and sp=2 and the planner's
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -134,7 +136,8 @@ def _steptime_section(result: dict[str, Any], plot: str) -> list[str]:
                      + f" | {2 * r['sp2-allgather']:.2f} · {2 * r['sp2-mapped']:.2f} | "
                      + " | ".join(picks) + f" | {p['seconds']['resident']:.3f} |")
     lines += ["", "Where kiln loses, and why:", ""]
-    lines += [f"- {f}" for f in result["findings"]] or ["- nowhere in this run"]
+    # From the figures, so that the words can be improved without measuring again.
+    lines += [f"- {f}" for f in steptime.findings(result["points"])] or ["- nowhere in this run"]
     return lines + [""]
 
 
@@ -497,6 +500,67 @@ def _service_section(submit: dict[str, Any], latency: dict[str, Any],
     return lines + [""]
 
 
+def headline(out: Path) -> str:
+    """The report's headline figures in one paragraph, from the JSON under ``out``; the README
+    quotes it as it stands."""
+    info = json.loads((out / "machine.json").read_text())
+    st = json.loads((out / "steptime.json").read_text())
+    first, last = st["points"][0], st["points"][-1]
+
+    def ratios(point: dict[str, Any]) -> str:
+        r = point["ratio_to_resident"]
+        return ", ".join(f"{r[m]:.2f}×" for m in ("fsdp2", "kiln-allgather", "kiln-rank-local",
+                                                   "kiln-mapped"))
+
+    parts = [f"`make bench` took {info['suite_seconds'] / 60:.1f} minutes on "
+             f"{info['cores']} cores ({info['cpu']}). Step time on two ranks over a resident "
+             f"copy per rank (PyTorch FSDP2, kiln allgather, rank-local, mapped): at "
+             f"{first['tokens']} tokens {ratios(first)}; at {last['tokens']} tokens "
+             f"{ratios(last)}; one job split over both ranks (sp=2, mapped) finishes in "
+             f"{first['ratio_to_resident']['sp2-mapped']:.2f}× and "
+             f"{last['ratio_to_resident']['sp2-mapped']:.2f}× a resident rank's time; the "
+             f"planner picks {last['planner']['throughput']['layout']} for jobs per hour and "
+             f"{last['planner']['latency']['layout']} for latency at {last['tokens']} tokens."]
+    if (out / "coldstart.json").is_file():
+        cold = json.loads((out / "coldstart.json").read_text())
+        dp = max(cold["runs"], key=int)
+        m = cold["runs"][dp]["modes"]
+        parts.append(f"Cold start on a {cold['model_gb']:.2f} GB checkpoint at dp={dp}, steady "
+                     "host memory with the page cache: naive copies "
+                     f"{m['naive']['steady_gb']:.2f} GB, FSDP2 {m['fsdp2']['steady_gb']:.2f}, "
+                     f"kiln allgather {m['allgather']['steady_gb']:.2f}, rank-local "
+                     f"{m['rank-local']['steady_gb']:.2f}, mapped {m['mapped']['steady_gb']:.2f} "
+                     f"({m['framework']['steady_gb']:.2f} GB of each is the ranks' torch and "
+                     "process group).")
+    if (out / "buffers.json").is_file():
+        pts = json.loads((out / "buffers.json").read_text())["points"]
+        parts.append(f"A rank's device weight bytes from {pts[0]['blocks']} to "
+                     f"{pts[-1]['blocks']} blocks: kiln {pts[0]['kiln_device_bytes'] / 1e6:.2f} "
+                     f"to {pts[-1]['kiln_device_bytes'] / 1e6:.2f} MB, FSDP2's peak "
+                     f"{pts[0]['fsdp2_peak_bytes'] / 1e6:.2f} to "
+                     f"{pts[-1]['fsdp2_peak_bytes'] / 1e6:.2f} MB.")
+    if (out / "layouts.json").is_file():
+        thr = json.loads((out / "layouts.json").read_text())["throughput"]
+        parts.append(f"kiln-tiny jobs per hour: dp=2 at {thr['dp2_efficiency_vs_linear']:.2f} "
+                     "of linear on jobs alike; on a mixed workload kiln's admission "
+                     f"{thr['jobs_per_hour_kiln_over_waves']:.2f}× the waves' jobs per hour, "
+                     f"and sp=2 {thr['jobs_per_hour_sp2_over_dp2']:.2f}× dp=2's.")
+    if all((out / f"{n}.json").is_file() for n in ("submit", "claim")):
+        submit = json.loads((out / "submit.json").read_text())
+        claim = json.loads((out / "claim.json").read_text())
+        p99 = statistics.median(r["p99_ms"] for r in submit["runs"])
+        parts.append(f"{submit['clients']} clients submit "
+                     f"{submit['submits_per_s']['median']:.0f} jobs/s (p99 {p99:.0f} ms) on "
+                     f"{submit['backend']}; one schedule + claim at {claim['jobs']:,} queued "
+                     f"jobs takes {claim['median_ms']:.2f} ms (median).")
+    if (out / "soak.json").is_file():
+        soak = json.loads((out / "soak.json").read_text())
+        parts.append(f"A {soak['jobs']}-job soak under {sum(soak['faults'].values())} faults: "
+                     f"{soak['lost']} lost, {soak['duplicated']} duplicated, "
+                     f"{soak['wrongly_charged']} wrongly charged.")
+    return " ".join(parts)
+
+
 def write_report(out: Path, report: Path) -> None:
     """bench/REPORT.md from the JSON files under ``out`` (and the plots drawn from them)."""
     info = json.loads((out / "machine.json").read_text())
@@ -510,7 +574,8 @@ def write_report(out: Path, report: Path) -> None:
              f"{info['torch']}, gloo {'available' if info['gloo'] else 'missing'}. The suite "
              f"took {info['suite_seconds'] / 60:.1f} minutes (`make bench`). Every figure is "
              f"from this run ([{rel}/]({rel}/): one JSON per benchmark); modes were measured "
-             "side by side, interleaved, so drift hits all alike.", ""]
+             "side by side, interleaved, so drift hits all alike.", "",
+             f"**Headlines.** {headline(out)}", ""]
     lines += _steptime_section(st, os.path.relpath(plot, report.parent))
     if (out / "coldstart.json").is_file():
         cold = json.loads((out / "coldstart.json").read_text())

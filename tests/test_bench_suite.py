@@ -84,3 +84,11 @@ def test_the_gpu_section_is_written_from_the_gpu_checks_json(tmp_path: Path) -> 
     for p in cuda["steptime"]["points"]:
         assert f"| {p['tokens']} | " in text
     assert (tmp_path / "results" / "cuda_steptime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_readme_quotes_the_committed_reports_headlines() -> None:
+    """The README's headline paragraph is the one the committed figures give, word for word."""
+    # Here, not at the top: the suite module loads matplotlib, which no other test needs.
+    from bench.suite import headline
+
+    assert headline(REPO / "bench" / "results") in (REPO / "README.md").read_text()
