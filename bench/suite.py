@@ -442,8 +442,7 @@ def _soak_section(soak: dict[str, Any]) -> list[str]:
              f"The whole service on this machine (a private Redis, PostgreSQL behind a proxy "
              f"that can refuse, the API, Celery, `kiln worker --dp 2`), {soak['jobs']} kiln-tiny "
              f"jobs while {sum(soak['faults'].values())} faults come at seeded times "
-             f"(`{soak['command']}`; `make chaos` runs the long one, 2,000 jobs and 24 "
-             "faults):", "",
+             f"(`{soak['command']}`; `make chaos` runs the long soak):", "",
              "| figure | value |", "|---|---|",
              f"| jobs | {soak['jobs_submitted']} submitted ({soak['submit_retries']} submits "
              f"retried, {soak['unsubmitted']} given up); {states} |",
