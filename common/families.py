@@ -6,9 +6,11 @@ and 9 frames, Wan at 832x480 and 81 frames. The API fills a job's missing fields
 family's ``defaults`` (a ``KILN_DEFAULT_*`` setting, when set, wins for every model) and refuses
 at submit the sizes and lengths the family cannot render, by the rule the runtime's pipeline
 checks again when the job starts; the runtime loads the pipeline the family names; the API's
-bound on one job and the batcher's cost count a job's video tokens with the family's VAE and
-patch (`tokens`). Reading this needs no torch and no weights: kiln-tiny is known by name, a
-diffusers directory by the pipeline class its ``model_index.json`` names (`family_of`).
+bound on one job and the batcher's cost count the rows one transformer forward attends over
+(`tokens`): the video's patches, from the family's VAE and patch, and the soundtrack's and the
+prompt's rows where the sequence holds them. Reading this needs no torch and no weights:
+kiln-tiny is known by name, a diffusers directory by the pipeline class its
+``model_index.json`` names (`family_of`).
 
 The numbers are those of the released checkpoints, read from their diffusers configs and
 pipelines (diffusers 0.42). Where one checkpoint differs (Wan2.2 TI2V-5B's VAE compresses 16x in
@@ -23,12 +25,17 @@ import functools
 import json
 import math
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from common.render import RequestDefaults
 
 TINY_MODEL = "kiln-tiny"
+# A prompt's own tokens, as `tokens` counts them where the transformer's sequence holds the
+# prompt (Cosmos3, MiniMax-H3). Neither pipeline pads nor cuts a prompt, so the true count is the
+# prompt's; this is one of about 75 English words.
+PROMPT_TOKENS = 100
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -49,7 +56,7 @@ class Family:
     vae_scale_factor_spatial: int  # pixels per latent pixel, along height and width
     vae_scale_factor_temporal: int  # frames per latent frame, after the first (a causal VAE)
     # The largest job a deployment accepts unless it says otherwise (Settings.max_job_tokens):
-    # video tokens per step (`tokens`). The work bound is this step 50 times.
+    # rows per transformer forward (`tokens`). The work bound is this step 50 times.
     max_tokens: int
     # Whether its pipeline offers a preview frame while a job runs (the pipeline's
     # ``can_preview``, known here without torch for the job page).
@@ -62,6 +69,16 @@ class Family:
     frame_base: int = 1
     min_frames: int = 1
     max_frames: int | None = None
+    # (latent frames of frame_base frames, latent frames per frame_stride frames after them) for
+    # a VAE that is not causal in 1 + 4k (MiniMax-H3's: (2, 5)); None: 1 + (frames - 1) // the
+    # VAE's time factor.
+    latent_frames: tuple[int, int] | None = None
+    # Rows besides the video's in the sequence every block attends over (`tokens`): audio
+    # latents per video frame, in each of audio_channels channels; and the prompt's rows,
+    # counted for a prompt of PROMPT_TOKENS tokens with what the pipeline wraps around it.
+    audio_latents_per_frame: Fraction = Fraction(0)
+    audio_channels: int = 0
+    prompt_rows: int = 0
 
 
 # kiln-tiny (``runtime.models.tiny.TinyConfig``): spatial_compression 8 times patch_size 2, and
@@ -108,22 +125,30 @@ COGVIDEOX = Family(
 # Cosmos3 (Nano, Super): ``Cosmos3OmniPipeline.__call__``'s defaults (1280x720, 189 frames at 24
 # fps, 35 steps, guidance 6); ``check_inputs`` wants sizes divisible by the VAE's 16 (Wan2.2's
 # VAE: 16 in space, 4 in time); ``Cosmos3OmniTransformer`` patches 2x2 and pads an odd latent
-# size to whole patches, so 16 is the multiple. The prompt's own tokens (a hundred or so) ride
-# in the same sequence and are not counted.
+# size to whole patches, so 16 is the multiple. Every block of ``layers`` runs the prompt's
+# token ids and the video's patches as one packed sequence (the video's queries attend to the
+# prompt's keys and their own), each of the CFG pair's two forwards with its own prompt:
+# ``tokenize_prompt`` wraps it in a chat template with a system prompt, a duration and a
+# resolution sentence, and two special tokens follow: 53 rows at the defaults for an empty
+# prompt by the test checkpoints' word-level tokenizer, which keeps no newline or space; about
+# 60 with a Qwen BPE's.
 COSMOS3 = Family(
     name="cosmos3", diffusers_classes=("Cosmos3OmniPipeline",), pipeline="Cosmos3VideoPipeline",
     defaults=RequestDefaults(width=1280, height=720, num_frames=189, fps=24,
                              num_inference_steps=35, guidance_scale=6.0),
     size_multiple=16, frame_stride=4, patch_size=(1, 2, 2),
     vae_scale_factor_spatial=16, vae_scale_factor_temporal=4,
-    max_tokens=44_160,  # its default: 48 latent frames x 23 x 40 patches
+    prompt_rows=60 + PROMPT_TOKENS,
+    max_tokens=44_320,  # its default: 48 latent frames x 23 x 40 patches, and a prompt's 160
 )
 # MiniMax-H3: its modular pipeline's defaults (the 16:9 canvas of 1344x768, 124 frames: 5 s at
 # its fixed 24 fps; 50 steps, which run 49 forwards); guidance-distilled, so it takes no guidance
 # scale and no negative prompt (one forward per step). Sizes are multiples of the VAE's 16 times
-# the 2x2 patch; clips are 17n + 5 frames from 5 s to 15 s (124 to 345). Its VAE makes 5n + 2
-# latent frames of 17n + 5, about 1 in 3.4, so the 4 here makes `tokens` a slight underestimate
-# (31 latent frames for 124, not 37); the soundtrack's rows (80 a second) are not counted.
+# the 2x2 patch; clips are 17n + 5 frames from 5 s to 15 s (124 to 345), of which the t2va
+# workflow makes 5n + 2 latent frames (``video_latent_num_frames``: 37 for 124). Every block of
+# ``transformer_blocks`` attends over the prompt's rows (its Qwen3-VL tokens, no template), the
+# soundtrack's (``audio_latent_num_frames``: 40 latents a second at 24 fps, rounded, in each of 2
+# channels: 414 for 124 frames) and the video's patches.
 MINIMAX_H3 = Family(
     name="minimax-h3", diffusers_classes=("MiniMaxH3ModularPipeline",),
     pipeline="MiniMaxH3VideoPipeline",
@@ -131,7 +156,11 @@ MINIMAX_H3 = Family(
                              num_inference_steps=50, guidance_scale=1.0),
     size_multiple=32, frame_stride=17, frame_base=5, min_frames=124, max_frames=345,
     patch_size=(1, 2, 2), vae_scale_factor_spatial=16, vae_scale_factor_temporal=4,
-    max_tokens=87_696,  # its longest clip, 345 frames, on the default canvas (as counted here)
+    latent_frames=(2, 5), audio_latents_per_frame=Fraction(40, 24), audio_channels=2,
+    prompt_rows=PROMPT_TOKENS,
+    # Its longest clip, 345 frames, on the default canvas: 102 latent frames x 24 x 42 patches,
+    # 2 x 575 audio rows and a prompt's 100.
+    max_tokens=104_066,
     sequence_parallel=True,
 )
 # Anything else: no pipeline; defaults small enough to finish on a CPU, large enough to see; the
@@ -185,21 +214,32 @@ def model_index(model: str) -> dict[str, Any]:
 
 def latent_shape(width: int, height: int, num_frames: int, *,
                  family: Family) -> tuple[int, int, int]:
-    """(frames, height, width) of the latent video: a causal VAE keeps the first frame alone."""
+    """(frames, height, width) of the latent video: a causal VAE keeps the first frame alone;
+    MiniMax-H3's makes 5n + 2 latent frames of 17n + 5 (``family.latent_frames``)."""
     if width <= 0 or height <= 0 or num_frames <= 0:
         raise ValueError(f"size and frames must be positive, got {width}x{height}, "
                          f"{num_frames} frames")
     st, s = family.vae_scale_factor_temporal, family.vae_scale_factor_spatial
-    return (num_frames - 1) // st + 1, math.ceil(height / s), math.ceil(width / s)
+    if family.latent_frames is None:
+        frames = (num_frames - 1) // st + 1
+    else:
+        first, per_stride = family.latent_frames
+        strides = max(0, (num_frames - family.frame_base) // family.frame_stride)
+        frames = first + strides * per_stride
+    return frames, math.ceil(height / s), math.ceil(width / s)
 
 
 def tokens(width: int, height: int, num_frames: int, *, family: Family) -> int:
-    """Video tokens one transformer forward of ``family`` sees (e.g. 64x64, 9 frames on
-    kiln-tiny: 3x4x4=48): the latent video in patches, a partial patch counted whole (the
-    runtime pads a clip to whole time patches)."""
+    """Rows of the sequence one transformer forward of ``family`` attends over (e.g. 64x64, 9
+    frames on kiln-tiny: 3x4x4=48): the latent video in patches, a partial patch counted whole
+    (the runtime pads a clip to whole time patches); MiniMax-H3's soundtrack rows; and where the
+    sequence holds the prompt (Cosmos3, MiniMax-H3), ``family.prompt_rows`` for it, which a
+    prompt other than one of PROMPT_TOKENS tokens changes."""
     f, h, w = latent_shape(width, height, num_frames, family=family)
     pt, ph, pw = family.patch_size
-    return math.ceil(f / pt) * math.ceil(h / ph) * math.ceil(w / pw)
+    audio = family.audio_channels * round(num_frames * family.audio_latents_per_frame)
+    return (math.ceil(f / pt) * math.ceil(h / ph) * math.ceil(w / pw) + audio
+            + family.prompt_rows)
 
 
 def _config(model: str, component: str) -> dict[str, Any]:

@@ -3,13 +3,16 @@
 The ranks of a worker group step in lock-step on the weight gathers, so a step lasts as long as
 its slowest rank. The batcher therefore groups jobs of similar cost per step, and the cost of a
 step is driven by how many tokens the transformer sees per forward: `common.families.tokens`,
-from the model family's VAE and patch (every family today: VAE 4x8x8, patch 1x2x2), the count
-the API's bound on one job uses too:
+from the model family's VAE and patch, the count the API's bound on one job uses too:
 
     latent frames = (num_frames - 1) // temporal + 1      (causal video VAE: the first frame alone)
     latent size   = ceil(height / spatial) x ceil(width / spatial)
     tokens        = ceil(latent frames / patch_t) x ceil(latent height / patch_h)
                     x ceil(latent width / patch_w)
+
+and the rows besides the video's where the transformer's sequence holds them: MiniMax-H3's
+soundtrack (and 5n + 2 latent frames of 17n + 5), and Cosmos3's and MiniMax-H3's prompt, at
+``Family.prompt_rows``.
 
 Tokens are a proxy; seconds are what the lock-step pays. `CostModel` fits, per model,
 ``seconds_per_step = overhead + per_token * tokens`` by exponentially decayed least squares over

@@ -10,7 +10,17 @@ from typing import Any
 import pytest
 
 from common import families
-from common.families import COGVIDEOX, GENERIC, TINY, WAN, checkpoint_family, family_of
+from common.families import (
+    COGVIDEOX,
+    COSMOS3,
+    GENERIC,
+    MINIMAX_H3,
+    TINY,
+    WAN,
+    checkpoint_family,
+    family_of,
+    latent_shape,
+)
 from runtime.models.tiny import TinyConfig
 from scheduler import cost
 from scheduler.cost import tokens
@@ -78,6 +88,69 @@ def test_tokens_count_the_family_latents_in_patches() -> None:
     assert tokens(64, 64, 9, family=TINY) == 3 * 4 * 4
     # Wan at its defaults: 21 latent frames of 60x104, patches of 1x2x2.
     assert tokens(832, 480, 81, family=WAN) == 21 * 30 * 52
+
+
+def test_tokens_count_the_prompt_and_soundtrack_rows_the_sequence_holds() -> None:
+    # MiniMax-H3: 5n + 2 latent frames of 17n + 5, 1x2x2 patches of 16x latents; 2 channels of
+    # round(frames / 24 x 40) audio latents; the prompt's rows.
+    assert latent_shape(1344, 768, 124, family=MINIMAX_H3) == (37, 48, 84)
+    assert tokens(1344, 768, 124, family=MINIMAX_H3) == 37 * 24 * 42 + 2 * 207 + 100
+    assert tokens(1344, 768, 345, family=MINIMAX_H3) == MINIMAX_H3.max_tokens == (
+        102 * 24 * 42 + 2 * 575 + 100)
+    # The shapes measured through the pipeline, less their prompt's rows.
+    for (width, height, num_frames), rows in (((64, 32, 124), 37 * 2 + 2 * 207),
+                                              ((64, 64, 141), 42 * 4 + 2 * 235),
+                                              ((96, 32, 175), 52 * 3 + 2 * 292)):
+        assert tokens(width, height, num_frames, family=MINIMAX_H3) == rows + 100
+    # Cosmos3: the video's patches and the prompt's rows, its template's and its own.
+    assert tokens(1280, 720, 189, family=COSMOS3) == COSMOS3.max_tokens == 48 * 23 * 40 + 160
+    assert tokens(64, 64, 9, family=COSMOS3) == 3 * 2 * 2 + 160
+    assert tokens(96, 64, 13, family=COSMOS3) == 4 * 2 * 3 + 160
+
+
+def _rows_per_forward(name: str, width: int, height: int, num_frames: int,
+                      root: Path) -> list[tuple[int, int]]:
+    """(rows the first block sees, the prompt's among them) for each forward of one step of a
+    random-weight checkpoint of family ``name``."""
+    # torch and the pipelines: the other tests of this module run without them.
+    synthetic = pytest.importorskip("runtime.models.synthetic")
+    base = pytest.importorskip("runtime.pipelines.base")
+    registry = pytest.importorskip("runtime.pipelines.registry")
+    model = synthetic.make_checkpoint(root / name, synthetic.SyntheticSpec(family=name))
+    pipe = registry.load_diffusers(model)
+    seen: list[int] = []
+    try:
+        if name == "cosmos3":  # a block runs the prompt's rows and the video's side by side
+            block = pipe.pipe.transformer.layers[0]
+            hook = block.register_forward_pre_hook(
+                lambda _, args: seen.append(args[0].shape[0] + args[1].shape[0]))
+        else:
+            block = pipe.pipe.transformer.transformer_blocks[0]
+            hook = block.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
+        state = pipe.prepare(base.VideoRequest(
+            prompt="a red circle moving left", negative_prompt="blurry", width=width,
+            height=height, num_frames=num_frames, num_inference_steps=2,
+            guidance_scale=5.0 if name == "cosmos3" else 1.0))
+        pipe.step(state)
+        hook.remove()
+    finally:
+        pipe.close()
+    if name == "cosmos3":  # the CFG pair: each prompt's own rows
+        prompts = [pack["und_len"] for pack in state.extra["packs"]]
+    else:
+        prompts = [state.extra["layout"]["text_indices"].numel()]
+    return list(zip(seen, prompts, strict=True))
+
+
+@pytest.mark.parametrize(("name", "family", "shape"), [
+    ("cosmos3", COSMOS3, (96, 64, 13)), ("minimax-h3", MINIMAX_H3, (96, 32, 141))])
+def test_tokens_are_the_rows_a_block_attends_over_with_the_prompt_the_job_has(
+        tmp_path: Path, name: str, family: families.Family,
+        shape: tuple[int, int, int]) -> None:
+    forwards = _rows_per_forward(name, *shape, tmp_path)
+    assert len(forwards) == (2 if name == "cosmos3" else 1)
+    for rows, prompt_rows in forwards:
+        assert rows == tokens(*shape, family=family) - family.prompt_rows + prompt_rows
 
 
 def test_the_batcher_counts_tokens_with_the_family_function_the_api_bounds_jobs_by() -> None:
