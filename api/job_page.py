@@ -1,6 +1,7 @@
 """The job page (``GET /dashboard/jobs/{id}``), rendered on the server: the job's parameters, its
 timeline from ``job_events`` (created, each attempt with its worker group, rank and outcome,
-finished), its video and thumbnail, its error, and a cancel button.
+where an attempt resumed from, its suspensions for interactive jobs, finished), its video and
+thumbnail, its error, and a cancel button.
 
 Every piece of user text goes through `html.escape`. The page's scripts, served by kiln
 (``assets/page.js``, shared with the batch page, and ``assets/job_page.js``), fetch the outputs
@@ -35,6 +36,12 @@ class _Attempt:
 def _why(detail: dict[str, Any]) -> str:
     reason = detail.get("error") or detail.get("reason")
     return f": {_e(reason)}" if reason else ""
+
+
+def _step_of(detail: dict[str, Any]) -> str:
+    """"20 of 30" (or "20" without a total) from a resumed, preempted or continued event."""
+    total = detail.get("total_steps")
+    return _e(detail.get("step")) + (f" of {_e(total)}" if total else "")
 
 
 def _timeline(job: Job, events: Sequence[JobEvent], group_names: dict[str, str]) -> str:
@@ -85,6 +92,15 @@ def _timeline(job: Job, events: Sequence[JobEvent], group_names: dict[str, str])
             elif kind != "succeeded":
                 extra = _why(detail)
             row(e.at, f'finished: <span class="chip {kind}">{kind}</span>{extra}', "finished")
+        elif kind == "resumed":
+            row(e.at, f"resumed from step {_step_of(detail)}", "attempt")
+        elif kind == "preempted":
+            by = detail.get("by_job")
+            for_job = (f' for interactive job <span class="mono">{_e(by)}</span>'
+                       if by else "")
+            row(e.at, f"suspended at step {_step_of(detail)}{for_job}", "dim")
+        elif kind == "continued":
+            row(e.at, f"continued at step {_step_of(detail)}", "dim")
         elif kind == "cancel_requested":
             row(e.at, f"cancel requested by {_e(detail.get('by'))}", "dim")
         elif kind == "purged":
@@ -94,6 +110,17 @@ def _timeline(job: Job, events: Sequence[JobEvent], group_names: dict[str, str])
     if not rows:
         return '<p class="empty">no events recorded</p>'
     return f'<ol class="timeline">{"".join(rows)}</ol>'
+
+
+def _resumes(job: Job) -> str:
+    """Where the latest attempt resumed from, and how often the job was preempted."""
+    notes = []
+    if job.resumed_from_step is not None:
+        notes.append(f'<span id="resumed">resumed from step {_e(job.resumed_from_step)}</span>')
+    if job.preemptions:
+        times = "time" if job.preemptions == 1 else "times"
+        notes.append(f'<span id="preemptions">preempted {_e(job.preemptions)} {times}</span>')
+    return "".join(f" · {n}" for n in notes)
 
 
 def _parameters(job: Job, owner: str | None) -> str:
@@ -108,7 +135,7 @@ def _parameters(job: Job, owner: str | None) -> str:
         ("guidance scale", _e(job.guidance_scale)),
         ("seed", f'<span class="mono">{_e(job.seed)}</span>'),
         ("class · priority", f"{_e(job.class_)} · {_e(job.priority)}"),
-        ("attempts", f"{_e(job.attempts)} of {_e(job.max_attempts)}"),
+        ("attempts", f"{_e(job.attempts)} of {_e(job.max_attempts)}{_resumes(job)}"),
         ("submitted", _time(job.created_at)),
         ("started", _time(job.started_at)),
         ("finished", _time(job.finished_at)),

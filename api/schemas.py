@@ -209,6 +209,12 @@ class JobPublic(BaseModel):
         description="queued jobs ahead of this one (0 = next); null unless queued")
     attempts: int
     max_attempts: int
+    resumed_from_step: int | None = Field(
+        description="the step the current (or last) attempt resumed from, a checkpoint of an "
+                    "earlier attempt's denoising state; null: it started at step 0")
+    preemptions: int = Field(
+        description="how many times the job was suspended on its worker replica while an "
+                    "interactive job ran there (it then continued where it stopped)")
     cancel_requested: bool
     created_at: datetime
     started_at: datetime | None

@@ -21,6 +21,11 @@ Worker side, in order (all take ``now`` for tests; it defaults to the current UT
 - `finish_succeeded(session, job_id, token, video_key=..., thumbnail_key=...)` -> bool
 - `finish_cancelled(session, job_id, token)` -> bool (after seeing ``cancel_requested``)
 - `fail_job(session, job_id, token, error=..., retryable=False)` -> new state or None
+- `note_resumed(session, job_id, token, step=...)`, `note_preempted(session, job_id, token,
+  by_job=..., step=...)`, `note_continued(session, job_id, token, step=...)` -> bool: a running
+  attempt that resumed from a checkpoint of an earlier attempt, was suspended in place on its
+  replica for an interactive job, or went on after one; each writes its event (``resumed``,
+  ``preempted``, ``continued``) and changes no state. False: the attempt is no longer current.
 - `reap(session)` -> `Reaped`: expired leases back to queued (or dead after ``max_attempts``,
   or cancelled if a cancel was pending) and queued jobs past their deadline to expired. Run it
   periodically; put `Reaped.requeued` back in the Redis queue index
@@ -35,6 +40,7 @@ and `delete_job` (hides a finished job from its owner).
 from __future__ import annotations
 
 import functools
+import operator
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,7 +125,8 @@ def _claim_statements() -> tuple[Any, Any, Any]:
                 attempt_token=bindparam("claim_token"),
                 lease_expires_at=bindparam("claim_lease", type_=jobs_table.c.started_at.type),
                 worker_group_id=bindparam("claim_group"), rank=bindparam("claim_rank"),
-                progress_step=0, progress_total=jobs_table.c.num_inference_steps, started_at=now)
+                progress_step=0, progress_total=jobs_table.c.num_inference_steps, started_at=now,
+                resumed_from_step=None)
         .returning(*jobs_table.c)
     )
     event = {"at": now, "kind": literal("claimed", type_=events_table.c.kind.type),
@@ -171,6 +178,88 @@ def heartbeat(
     if job is None:
         return None
     return Beat(cancel_requested=job.cancel_requested, lease_expires_at=lease)
+
+
+def note_resumed(
+    session: Session,
+    job_id: str,
+    attempt_token: str,
+    *,
+    step: int,
+    now: datetime | None = None,
+) -> bool:
+    """This attempt resumed from a checkpoint of an earlier attempt's denoising state, at
+    ``step``: records it on the job (``resumed_from_step``, which each claim clears) with a
+    ``resumed`` event; commits. False (nothing written) if the attempt is no longer current."""
+    step = _step(step)
+    now = now or utcnow()
+    job = _transition(
+        session, job_id, attempt=attempt_token, event="resumed",
+        detail=lambda job: {"step": step, "total_steps": _total_steps(job)}, now=now,
+        resumed_from_step=step,
+    )
+    return job is not None
+
+
+def note_preempted(
+    session: Session,
+    job_id: str,
+    attempt_token: str,
+    *,
+    by_job: str,
+    step: int,
+    now: datetime | None = None,
+) -> bool:
+    """This attempt was suspended in place on its replica after ``step`` steps, for interactive
+    job ``by_job``: counts it (``preemptions``) with a ``preempted`` event; commits. The job stays
+    running (its lease must still be renewed). False (nothing written) if the attempt is no
+    longer current."""
+    step = _step(step)
+    now = now or utcnow()
+    job = _transition(
+        session, job_id, attempt=attempt_token, event="preempted",
+        detail=lambda job: {"step": step, "total_steps": _total_steps(job), "by_job": str(by_job)},
+        now=now, preemptions=Job.preemptions + 1,
+    )
+    return job is not None
+
+
+def note_continued(
+    session: Session,
+    job_id: str,
+    attempt_token: str,
+    *,
+    step: int,
+    now: datetime | None = None,
+) -> bool:
+    """This attempt, suspended by `note_preempted`, goes on at ``step``: a ``continued`` event;
+    commits. False (nothing written) if the attempt is no longer current."""
+    step = _step(step)
+    now = now or utcnow()
+    # A no-op assignment: the guarded UPDATE is what tells a current attempt from a stale one.
+    job = _transition(
+        session, job_id, attempt=attempt_token, event="continued",
+        detail=lambda job: {"step": step, "total_steps": _total_steps(job)}, now=now,
+        attempt_token=attempt_token,
+    )
+    return job is not None
+
+
+def _step(step: int) -> int:
+    """``step`` as a plain int (a numpy integer too: it goes into JSON); ValueError if negative
+    or not whole."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        value = -1
+    if value < 0 or isinstance(step, bool):
+        raise ValueError(f"step must be a whole number of steps, 0 or more, not {step!r}")
+    return value
+
+
+def _total_steps(job: Job) -> int:
+    """The step count the job's progress is reported against (its API ``total_steps``)."""
+    return job.progress_total or job.num_inference_steps
 
 
 def finish_succeeded(

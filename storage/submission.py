@@ -272,6 +272,7 @@ def new_job_row(owner_id: int, spec: JobSpec, *, request_hash: str,
         attempts=0,
         uncharged_attempts=0,
         max_attempts=max_attempts,
+        preemptions=0,
         progress_step=0,
         progress_total=spec.num_inference_steps,  # the progress report's step count
         cancel_requested=False,

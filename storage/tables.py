@@ -222,6 +222,11 @@ class Job(Base):
     rank: Mapped[int | None]
     progress_step: Mapped[int] = mapped_column(default=0)
     progress_total: Mapped[int] = mapped_column(default=0)
+    # The step the current (or last) attempt resumed from, a checkpoint of an earlier attempt's
+    # denoising state; None: it started at step 0. Each claim clears it (`storage.lifecycle`).
+    resumed_from_step: Mapped[int | None]
+    # How many times the job was suspended in place on its replica for an interactive job.
+    preemptions: Mapped[int] = mapped_column(default=0, server_default="0")
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     error: Mapped[str | None] = mapped_column(Text)
     error_code: Mapped[str | None] = mapped_column(String(32))
