@@ -1,10 +1,11 @@
 """Output stores: where finished videos and thumbnails live.
 
 One small interface, two implementations: `LocalStore` (a directory; the default) and `S3Store`
-(any S3-compatible server; needs the ``s3`` extra). Keys come from `video_key`, `thumbnail_key`
-and `preview_key` (a running job's latest preview frame), which derive them from the job id
-alone, so no request field ever becomes part of a path. Every write is atomic: a write that
-fails leaves nothing under the key (or the object that was there).
+(any S3-compatible server; needs the ``s3`` extra). Keys come from `video_key`, `thumbnail_key`,
+`preview_key` (a running job's latest preview frame) and `checkpoint_key` (its latest
+denoising checkpoint), which derive them from the job id alone, so no request field ever becomes
+part of a path. Every write is atomic: a write that fails leaves nothing under the key (or the
+object that was there).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def thumbnail_key(job_id: str) -> str:
 def preview_key(job_id: str) -> str:
     """A running job's newest preview frame (PNG), replaced while it runs, deleted when it ends."""
     return _checked(f"previews/{job_id}.png")
+
+
+def checkpoint_key(job_id: str) -> str:
+    """A running job's newest denoising checkpoint (``runtime.resume``), from which it resumes
+    where it stopped."""
+    return _checked(f"checkpoints/{job_id}.ckpt")
 
 
 # A preview PNG's text chunk that says which step it shows: "k/n" (`storage.video.preview_png`).

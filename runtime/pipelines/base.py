@@ -21,6 +21,11 @@ Every pipeline offers
   estimate of the clean video, cheap enough to take every few steps while the job runs. Local
   work (no collective, no streamed transformer) that leaves ``state`` as it was, so the rendered
   video is the same with or without previews.
+- ``pipe.resume_tensors(state)``, ``pipe.resume_values(state)``: what a step changed (the
+  latents, the step index, the schedulers' and generators' state, the entries of ``state.extra``
+  named in ``resume_keys``), as tensors and JSON values; ``pipe.load_resume(state, tensors,
+  values)`` puts them back into a state fresh from ``prepare``, so the job carries on bit for bit
+  (``runtime.resume`` writes and reads them as a checkpoint).
 
 Why: the ranks of a DLO group issue one gather per block per forward, and a gather completes only
 when every rank issues it. So between two step boundaries every rank must run the same number of
@@ -47,7 +52,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +60,7 @@ import torch.distributed as dist
 from common.families import TINY
 from common.render import RenderFields
 from runtime.dlo import DLOHandle
+from runtime.pipelines import resumable
 from runtime.platform import default_device
 
 
@@ -109,6 +115,9 @@ class VideoPipeline(abc.ABC):
     forwards_per_step: int = 1
     #: Whether `preview` is offered: cheap next to a step, and local to the rank.
     can_preview: bool = False
+    #: Entries of ``state.extra`` that ``step`` replaces and ``prepare`` cannot rebuild, which
+    #: a checkpoint holds beside the latents (`resume_tensors`).
+    resume_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, handles: Sequence[DLOHandle | None]) -> None:
         self.handles = list(handles)
@@ -129,6 +138,26 @@ class VideoPipeline(abc.ABC):
         """The middle frame of the current estimate of the clean video, uint8 ``[H, W, 3]`` on
         the CPU; what the estimate is, each pipeline says. Only where ``can_preview``."""
         raise NotImplementedError(f"{type(self).__name__} offers no preview")
+
+    def resume_tensors(self, state: DenoiseState) -> dict[str, torch.Tensor]:
+        """The tensors of what ``state``'s steps changed, by name: the latents, the tensors of
+        every diffusers scheduler in ``state.extra`` (a multistep one's history of model
+        outputs), every torch.Generator's state there, and the entries ``resume_keys``. What
+        ``prepare`` builds from the request (text embeddings, rotary tables) is not among them.
+        """
+        return resumable.capture(state, self.resume_keys)[0]
+
+    def resume_values(self, state: DenoiseState) -> dict[str, Any]:
+        """The rest of what `resume_tensors` saves, as JSON: the step index, the schedulers'
+        counters, and where each tensor goes (by its name)."""
+        return resumable.capture(state, self.resume_keys)[1]
+
+    def load_resume(self, state: DenoiseState, tensors: dict[str, torch.Tensor],
+                    values: dict[str, Any]) -> None:
+        """Overwrite ``state``, fresh from ``prepare`` for the same request, with what
+        `resume_tensors` and `resume_values` saved; ``resumable.IncompatibleCheckpoint``, and
+        ``state`` as it was, when they do not fit it (another shape, dtype or scheduler)."""
+        resumable.load(state, self.resume_keys, tensors, values)
 
     def handles_needed(self, state: DenoiseState) -> list[bool]:
         """Per entry of ``handles``: whether this job's next step runs that transformer."""

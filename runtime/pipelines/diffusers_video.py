@@ -402,6 +402,9 @@ class CogVideoXVideoPipeline(DiffusersVideoPipeline):
     max_sequence_length = 226
 
     unbatched_cfg = False
+    # CogVideoXDPMScheduler's previous prediction, which its next step takes (its generator, in
+    # ``step_kwargs``, is saved by default).
+    resume_keys = ("old_pred",)
 
     @torch.no_grad()
     def prepare(self, request: VideoRequest) -> DenoiseState:

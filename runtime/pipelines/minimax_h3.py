@@ -65,6 +65,8 @@ class MiniMaxH3VideoPipeline(DiffusersVideoPipeline):
     unused_text_modules: ClassVar[tuple[str, ...]] = ("lm_head", "model.visual")
     # The soundtrack's decoder, and the reference-to-video workflow's second transformer.
     optional_components: ClassVar[tuple[str, ...]] = ("audio_vae", "transformer_ref")
+    # The soundtrack's latents, denoised with the video's (both schedulers are saved by default).
+    resume_keys: ClassVar[tuple[str, ...]] = ("audio",)
 
     @classmethod
     def assemble(cls, model_dir: Path, name: str, models: dict[str, Any]) -> Any:

@@ -35,6 +35,8 @@ def flow_sigmas(num_inference_steps: int, shift: float) -> torch.Tensor:
 
 class TinyPipeline(VideoPipeline):
     can_preview = True
+    # The last step's guided velocity: the preview's estimate of the clean video.
+    resume_keys = ("velocity",)
 
     def __init__(self, model: KilnTiny, handle: DLOHandle | None, *, flow_shift: float = 3.0,
                  device: torch.device | str = "cpu", cfg_batch: bool = True) -> None:
