@@ -130,6 +130,12 @@ class Settings(BaseSettings):
     # clip's middle frame) every this many steps, at most twice a second, for the job page: only
     # where the model's pipeline offers it cheaply (kiln-tiny: under a tenth of a step). 0: none.
     preview_every_steps: int = Field(default=2, ge=0)
+    # A running job's denoising state (latents, scheduler state, RNG) is checkpointed into the
+    # output store every this many steps or seconds, whichever comes first (0: not by that
+    # measure), and whenever the job is handed back, so a job that moves (a drain, a crashed
+    # rank, a restart) resumes where it was, bit for bit. Both 0: no checkpoints.
+    checkpoint_every_steps: int = Field(default=5, ge=0)
+    checkpoint_every_seconds: float = Field(default=60.0, ge=0)
     # How often the API re-adds queued jobs from the database to the Redis queue index.
     reconcile_interval_seconds: float = Field(default=60.0, gt=0)
     # A worker group that has not reported for this long is shown as stale.

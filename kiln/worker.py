@@ -26,7 +26,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,15 +51,18 @@ from runtime.planner import JobShape, choose, heads_of, load_or_measure, plan, s
 from runtime.platform import get_platform
 from runtime.rank_loop import RankLoop, RankStatus, StepPlan, Ticket, run_loop
 from runtime.render import load_pipeline
+from runtime.resume import model_fingerprint
 from runtime.sequence import SOLO, Layout, open_sequence
 from scheduler import queue_index
 from scheduler.attempts import Ending, finish_attempt
-from scheduler.claim import claim_for_group, job_tokens, record_result
-from scheduler.policy import DEFAULT_GOAL, GOAL_PREFERS, RunningJob
+from scheduler.claim import claim_for_group, job_tokens, load_costs, record_result
+from scheduler.cost import CostModel
+from scheduler.policy import DEFAULT_GOAL, GOAL_PREFERS, INTERACTIVE, RunningJob
+from scheduler.turns import HeldJob, TurnConfig, choose_turn, preempt_target
 from storage import lifecycle, queries, workers
 from storage.db import make_engine, make_session_factory
 from storage.outages import describe, is_outage
-from storage.outputs import OutputStore, make_store
+from storage.outputs import OutputStore, checkpoint_key, make_store
 from storage.tables import Job, JobState
 from storage.video import OutputWriter
 from storage.webhooks import LIVE_EVENTS
@@ -84,6 +87,10 @@ PROGRESS_EVERY_SECONDS = 2.0
 # On the way out, how long the group keeps trying to hand its jobs back through an outage.
 GIVE_BACK_SECONDS = 5.0
 MAX_RESTART_BACKOFF_SECONDS = 30.0
+# Why a job leaves its rank when the drain is over: its ranks checkpoint it on the way out.
+HANDED_BACK = "handed back: the worker group stopped"
+# Jobs a replica may hold at once: the one it runs and one it suspended for an interactive job.
+MAX_JOBS_PER_REPLICA = 2
 # After the drain deadline, how long the ranks have to leave before the launcher kills them:
 # enough for the step in progress on a CPU, the hand-back, and the group's last report.
 STOP_GRACE_SECONDS = 10.0
@@ -134,6 +141,27 @@ class WorkerConfig:
         return self.goal or DEFAULT_GOAL
 
 
+@dataclass(kw_only=True, slots=True)
+class Holding:
+    """A job the group holds on one of its replicas, running or suspended."""
+
+    ticket: Ticket
+    replica: int  # the replica's first rank
+    job_class: str
+    seconds_per_step: float  # the cost model's estimate until the job's own steps measure it
+    steps_left: int
+    order: int  # when the replica took it (a counter of the group's claims)
+    waiting_since: float | None = None  # monotonic, while it does not compute
+    suspended_by: str | None = None  # the job it is suspended for (its replica runs that one)
+    resume_noted: bool = False
+
+    def held_job(self, now: float) -> HeldJob:
+        waited = 0.0 if self.waiting_since is None else now - self.waiting_since
+        return HeldJob(job_id=self.ticket.job_id, replica=self.replica,
+                       job_class=self.job_class, seconds_per_step=self.seconds_per_step,
+                       steps_left=self.steps_left, order=self.order, paused_seconds=waited)
+
+
 class LeaseKeeper:
     """Rank 0's thread that keeps the group's leases: the leases follow the group, not the step.
 
@@ -156,10 +184,11 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-leases", daemon=True)
 
-    def track(self, running: dict[int, Ticket], *held: dict[str, RankStatus]) -> None:
-        """The attempts to keep: ``running``, and those whose files are being written or whose
-        final transition waits (``held``: job id -> status)."""
-        attempts = {t.job_id: t.attempt_token for t in running.values()}
+    def track(self, running: Iterable[Ticket], *held: dict[str, RankStatus]) -> None:
+        """The attempts to keep: ``running`` (running or suspended on a replica), and those
+        whose files are being written or whose final transition waits (``held``: job id ->
+        status)."""
+        attempts = {t.job_id: t.attempt_token for t in running}
         for statuses in held:
             attempts.update((job_id, st.attempt_token) for job_id, st in statuses.items()
                             if st.attempt_token is not None)
@@ -211,7 +240,7 @@ class LeaseKeeper:
         for job_id, token in attempts.items():
             finish_attempt(session, c.redis, c.settings.redis_prefix, job_id, token, drained,
                            notify=c.notify)
-            self.ended[token] = "handed back: the worker group stopped"
+            self.ended[token] = HANDED_BACK
             job_log("handed_back", job=job_id, attempt=c.attempt_numbers.get(token),
                     charged=False, why=f"drain of {c.config.drain_seconds:.0f} s over")
 
@@ -260,12 +289,15 @@ class Coordinator:
         host = socket.gethostname()
         self.group_id = config.group_id or new_group_id()
         self.host = host
-        # Keyed by a replica's first rank, as the plans are (sp=1: every rank).
-        self.running: dict[int, Ticket] = {}  # replica -> job it renders
+        # The jobs the replicas hold (running or suspended), by job id; a replica is named by
+        # its first rank, as the plans name it (sp=1: every rank).
+        self.held: dict[str, Holding] = {}
+        self._claims_made = 0
+        self.turns = TurnConfig()
         # Rendered jobs whose files their rank is still writing: job id -> its "rendered" status.
         self.writing: dict[str, RankStatus] = {}
-        self.steps_left: dict[int, int] = {}
-        self.cancels: dict[int, str] = {}  # rank -> reason, sent with the next plan
+        self.cancels: dict[str, str] = {}  # job id -> reason, sent with the next plan
+        self.hand_backs: set[str] = set()  # jobs handed back, checkpointed by the next plan
         self.stopping = False
         self.drain_deadline: float | None = None  # monotonic; set when a stop is asked for
         # Final transitions an outage held back: job id -> the rank's status, tried every turn.
@@ -312,35 +344,35 @@ class Coordinator:
                 self.drain_deadline = time.monotonic() + self.config.drain_seconds
             if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
                 self._hand_back_running()
-            for rank, ticket in self.running.items():
-                ended = self.leases.ended.get(ticket.attempt_token)
-                if ended is not None:  # its lease was lost, or it was handed back at the deadline
-                    self.cancels.setdefault(rank, ended)
-            plan = StepPlan(drop=dict(self.cancels))
+            for job_id, h in self.held.items():
+                ended = self.leases.ended.get(h.ticket.attempt_token)
+                if ended == HANDED_BACK:  # the drain is over: its ranks checkpoint it
+                    self.hand_backs.add(job_id)
+                elif ended is not None:  # its lease was lost
+                    self.cancels.setdefault(job_id, ended)
+            plan = StepPlan(drop=dict(self.cancels), hand_back=sorted(self.hand_backs))
             self.cancels.clear()
-            for rank in plan.drop:
-                self.running.pop(rank, None)
+            self.hand_backs.clear()
+            for job_id in (*plan.drop, *plan.hand_back):
+                self.held.pop(job_id, None)
             # Finished jobs handed back (or whose lease was lost) while their files were still
             # being written: their ranks drop them.
             plan.abandon = [j for j, st in self.writing.items()
                             if st.attempt_token in self.leases.ended]
             for job_id in plan.abandon:
                 self.writing.pop(job_id)
-            free = [r for r in self.layout.leaders
-                    if r not in self.running and r not in self.full_ranks]
-            if (free and not self.stopping and self.store_error is None
+            if (not self.stopping and self.store_error is None
                     and time.monotonic() >= self._claims_resume_at):
                 try:
-                    plan.assign = self._claim(free)
+                    self._claim_into(plan)
                 except Exception as exc:
                     self._outage(None, exc, claims=True)
-                    self.running.update(plan.assign)
                 else:
-                    self.running.update(plan.assign)
-                    self._recovered()  # after the update: these claims are not lost ones
-            self.leases.track(self.running, self.writing, self.unfinished)
-            if self.running:
+                    self._recovered()  # after the claims: these are not lost ones
+            self.leases.track(self.tickets(), self.writing, self.unfinished)
+            if self.held:
                 self._last_work = time.monotonic()
+                self._choose_turn(plan)
                 plan.step = True
                 return plan
             if self.writing:  # a turn without a step, in which the ranks finish their writes
@@ -355,10 +387,54 @@ class Coordinator:
                 return plan
             self._wait_for_work()
 
+    def tickets(self) -> list[Ticket]:
+        """The tickets of every job the replicas hold, running or suspended."""
+        return [h.ticket for h in self.held.values()]
+
+    def replica_jobs(self, replica: int) -> list[Holding]:
+        return [h for h in self.held.values() if h.replica == replica]
+
+    def _choose_turn(self, plan: StepPlan) -> None:
+        """Which replicas compute this turn, and which job each runs (`scheduler.turns`); a
+        job suspended for another, or continued after one, is noted in its events."""
+        now = time.monotonic()
+        turn = choose_turn([h.held_job(now) for h in self.held.values()], self.turns)
+        plan.run = turn.run
+        running = set(turn.run.values())
+        for job_id, h in self.held.items():
+            if job_id in running:
+                h.waiting_since = None
+                if h.suspended_by is not None:
+                    h.suspended_by = None
+                    self._note(lifecycle.note_continued, h, step=self._steps_done(h))
+                continue
+            if h.waiting_since is None:
+                h.waiting_since = now
+            on_replica = turn.run.get(h.replica)
+            if on_replica is not None and h.suspended_by is None:
+                h.suspended_by = on_replica
+                job_log("preempted", job=job_id, attempt=self.attempt_numbers.get(
+                    h.ticket.attempt_token), rank=h.replica, by=on_replica)
+                self._note(lifecycle.note_preempted, h, by_job=on_replica,
+                           step=self._steps_done(h))
+
+    @staticmethod
+    def _steps_done(h: Holding) -> int:
+        return h.ticket.request.num_inference_steps - h.steps_left
+
+    def _note(self, write: Callable[..., object], h: Holding, **kwargs: Any) -> None:
+        """A job's event beside its render (preempted, continued, resumed): best effort."""
+        try:
+            with self.sessions() as session:
+                write(session, h.ticket.job_id, h.ticket.attempt_token, **kwargs)
+        except Exception as exc:
+            self._outage(None, exc)
+
     def _hand_back_running(self) -> None:
         """The drain is over: the running jobs, and the finished ones whose files are not
-        stored yet, go back to the queue, uncharged (their ranks drop them with the next plan)."""
-        attempts = {t.job_id: t.attempt_token for t in self.running.values()
+        stored yet, go back to the queue, uncharged (their ranks checkpoint and drop them with
+        the next plan)."""
+        attempts = {t.job_id: t.attempt_token for t in self.tickets()
                     if t.attempt_token not in self.leases.ended}
         attempts.update((job_id, st.attempt_token) for job_id, st in self.writing.items()
                         if st.attempt_token is not None
@@ -375,27 +451,63 @@ class Coordinator:
         except RedisError:
             time.sleep(self.config.poll_seconds)  # the claim that follows reports the outage
 
-    def _claim(self, free: list[int]) -> dict[int, Ticket]:
-        running = [RunningJob(job_id=t.job_id, rank=r, model=self.config.model,
-                              cost_per_step=0.0, steps_left=self.steps_left.get(r, 0))
-                   for r, t in self.running.items()]
+    def _claim_into(self, plan: StepPlan) -> None:
+        """Claims jobs for the free replicas into ``plan.assign``; with none free, an
+        interactive job that is due is claimed for the replica whose batch job has the most
+        work left, which suspends that job in place (`scheduler.turns.preempt_target`)."""
+        held = {h.replica for h in self.held.values()}
+        free = [r for r in self.layout.leaders if r not in held and r not in self.full_ranks]
+        job_class = None
+        if not free:
+            now = time.monotonic()
+            target = preempt_target(
+                [h.held_job(now) for h in self.held.values()],
+                [r for r in self.layout.leaders if r not in self.full_ranks],
+                max_jobs_per_replica=MAX_JOBS_PER_REPLICA, config=self.turns)
+            if target is None or not queue_index.has_due(
+                    self.redis, self.settings.redis_prefix, self.config.model, INTERACTIVE,
+                    time.time()):
+                return
+            free, job_class = [target], INTERACTIVE
+        plan.assign = self._claim(free, job_class)
+
+    def _claim(self, free: list[int], job_class: str | None = None) -> dict[int, Ticket]:
+        running = [RunningJob(job_id=h.ticket.job_id, rank=h.replica, model=self.config.model,
+                              cost_per_step=0.0, steps_left=h.steps_left)
+                   for h in self.held.values()]
         with self.sessions() as session:
             claims = claim_for_group(
                 session, self.redis, prefix=self.settings.redis_prefix, group_id=self.group_id,
                 model=self.config.model, free_ranks=free, running=running,
                 lease_seconds=self.settings.lease_seconds, sp=self.layout.sp,
-                prefer=GOAL_PREFERS[self.goal])
+                prefer=INTERACTIVE if job_class else GOAL_PREFERS[self.goal],
+                job_class=job_class)
         tickets = {}
+        costs = None
         for rank, claim in claims:
             job = claim.job
-            tickets[rank] = Ticket(job_id=job.id, attempt_token=claim.attempt_token,
-                                   request=VideoRequest.of(job))
-            self.steps_left[rank] = job.num_inference_steps
+            ticket = Ticket(job_id=job.id, attempt_token=claim.attempt_token,
+                            request=VideoRequest.of(job))
+            tickets[rank] = ticket
+            if costs is None:
+                costs = self._costs()
+            self._claims_made += 1
+            self.held[job.id] = Holding(
+                ticket=ticket, replica=rank, job_class=job.class_,
+                seconds_per_step=costs.step_seconds(job.model, job_tokens(job)),
+                steps_left=job.num_inference_steps, order=self._claims_made)
             self.attempt_numbers[claim.attempt_token] = job.attempts
             job_log("claimed", job=job.id, attempt=job.attempts, rank=rank,
-                    group=self.group_id)
+                    group=self.group_id, job_class=job.class_)
             self.note_started(job)
         return tickets
+
+    def _costs(self) -> CostModel:
+        """The learned costs of this group's layout; the default guess while Redis is out."""
+        try:
+            return load_costs(self.redis, self.settings.redis_prefix, self.layout.sp)
+        except RedisError:
+            return CostModel(sp=self.layout.sp)
 
     def note_started(self, job: Job) -> None:
         """After a claim's commit: remembers whether the job wants job.started / job.progress
@@ -438,7 +550,9 @@ class Coordinator:
                 if st.job_id is None or st.attempt_token is None:
                     continue
                 if st.outcome is None:
-                    self.steps_left[st.rank] = st.num_inference_steps - st.step
+                    h = self.held.get(st.job_id)
+                    if h is not None and h.ticket.attempt_token == st.attempt_token:
+                        self._progress(h, st)
                     try:
                         beat = lifecycle.heartbeat(session, st.job_id, st.attempt_token,
                                                    step=st.step,
@@ -449,26 +563,39 @@ class Coordinator:
                         self._outage(session, exc)
                         continue
                     if beat is None:
-                        self.cancels[st.rank] = "the lease of this attempt was lost"
+                        self.cancels[st.job_id] = "the lease of this attempt was lost"
                     elif beat.cancel_requested:
-                        self.cancels[st.rank] = "cancelled by the user"
+                        self.cancels[st.job_id] = "cancelled by the user"
                     else:
                         self._note_progress(st)
                     continue
-                ticket = self.running.get(st.rank)
-                if ticket is not None and ticket.job_id == st.job_id:
-                    self.running.pop(st.rank)  # the rank is free (its next job may be running)
+                h = self.held.get(st.job_id)
+                if h is not None and h.ticket.attempt_token == st.attempt_token:
+                    self.held.pop(st.job_id)  # its replica is free of it
                 if st.outcome == "rendered":
                     self.writing[st.job_id] = st
                     continue
                 self.writing.pop(st.job_id, None)
                 self._finish(session, st)
         self._note_writers(statuses)
-        self.leases.track(self.running, self.writing, self.unfinished)
+        self.leases.track(self.tickets(), self.writing, self.unfinished)
         now = time.monotonic()
         if now - self._last_report >= self.config.report_seconds:
             self.report([st.memory for st in statuses if st.memory])
             self._last_report = now
+
+    def _progress(self, h: Holding, st: RankStatus) -> None:
+        """A held job's report: steps left, its own seconds per step once it has run one, and
+        where it resumed from (noted once per attempt)."""
+        h.steps_left = st.num_inference_steps - st.step
+        done_here = st.step - (st.resumed_from_step or 0)
+        if done_here > 0 and st.compute_seconds > 0:
+            h.seconds_per_step = st.compute_seconds / done_here
+        if st.resumed_from_step is not None and not h.resume_noted:
+            h.resume_noted = True
+            job_log("resumed", job=h.ticket.job_id, attempt=self.attempt_numbers.get(
+                h.ticket.attempt_token), rank=h.replica, step=st.resumed_from_step)
+            self._note(lifecycle.note_resumed, h, step=st.resumed_from_step)
 
     def _note_writers(self, statuses: list[RankStatus]) -> None:
         """What the ranks say of their writes. A rank holding all the finished jobs it may is
@@ -544,8 +671,10 @@ class Coordinator:
     def report(self, ranks: list[dict[str, Any]], state: str = "ready") -> None:
         ranks = sorted(ranks, key=lambda r: r["rank"])
         for r in ranks:
-            ticket = self.running.get(self.layout.leader(r["rank"]))
-            r["job_id"] = ticket.job_id if ticket else None
+            jobs = sorted(self.replica_jobs(self.layout.leader(r["rank"])),
+                          key=lambda h: h.waiting_since is not None)
+            r["job_id"] = jobs[0].ticket.job_id if jobs else None
+            r["suspended_jobs"] = [h.ticket.job_id for h in jobs[1:]]
             r["replica"] = self.layout.replica(r["rank"])
         reason = None
         if state == "ready" and self.degraded is not None:
@@ -566,7 +695,7 @@ class Coordinator:
         """On the way out: jobs still running go back to the queue (the worker stopped)."""
         stopped = stopped or Ending(outcome="failed", error="the worker group stopped",
                                     code="worker_stopped", retryable=True, charged=False)
-        attempts = [(t.job_id, t.attempt_token) for t in self.running.values()]
+        attempts = [(t.job_id, t.attempt_token) for t in self.tickets()]
         attempts += [(job_id, st.attempt_token) for job_id, st in self.writing.items()]
         deadline = time.monotonic() + GIVE_BACK_SECONDS
         with self.sessions() as session:
@@ -584,7 +713,7 @@ class Coordinator:
                         if time.monotonic() > deadline:  # the reaper takes it when it lapses
                             break
                         time.sleep(0.5)
-        self.running.clear()
+        self.held.clear()
         self.writing.clear()
 
     def _outage(self, session: Session | None, exc: Exception, *,
@@ -620,7 +749,7 @@ class Coordinator:
         (the connection dropped after the COMMIT): rows running under this group's id that no
         rank renders. They go back to the queue uncharged, now rather than when their leases
         lapse."""
-        held = {t.attempt_token for t in self.running.values()}
+        held = {t.attempt_token for t in self.tickets()}
         held |= {st.attempt_token for st in (*self.writing.values(), *self.unfinished.values())}
         lost = Ending(outcome="failed", error="its claim's answer was lost in an outage",
                       code="claim_lost", retryable=True, charged=False)
@@ -644,6 +773,27 @@ def store_writer(store: OutputStore) -> OutputWriter:
     return OutputWriter(store)
 
 
+class StoreCheckpoints:
+    """The ranks' checkpoints of their jobs' denoising states (`runtime.rank_loop.Checkpoints`),
+    one object per job in the output store, written atomically like every other object."""
+
+    def __init__(self, store: OutputStore) -> None:
+        self.store = store
+
+    def load(self, job_id: str) -> bytes | None:
+        key = checkpoint_key(job_id)
+        if not self.store.exists(key):
+            return None
+        with self.store.open(key) as f:
+            return f.read()
+
+    def save(self, job_id: str, blob: bytes) -> None:
+        self.store.put_bytes(checkpoint_key(job_id), blob)
+
+    def delete(self, job_id: str) -> None:
+        self.store.delete(checkpoint_key(job_id))
+
+
 def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> None:
     """Everything one rank does, from loading the model to leaving the group."""
     platform = get_platform(device_for(config.device))
@@ -656,9 +806,15 @@ def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> No
                          sequence=open_sequence(layout, platform.backend),
                          device_budget=config.device_budget,
                          max_tokens=settings.max_job_tokens)
-    loop = RankLoop(ctx.rank, pipe, store_writer(make_store(settings)), platform,
+    store = make_store(settings)
+    checkpoints = (settings.checkpoint_every_steps > 0 or settings.checkpoint_every_seconds > 0)
+    loop = RankLoop(ctx.rank, pipe, store_writer(store), platform,
                     host_memory_every_seconds=config.report_seconds, layout=layout,
-                    preview_every_steps=settings.preview_every_steps)
+                    preview_every_steps=settings.preview_every_steps,
+                    checkpoints=StoreCheckpoints(store) if checkpoints else None,
+                    checkpoint_every_steps=settings.checkpoint_every_steps,
+                    checkpoint_every_seconds=settings.checkpoint_every_seconds,
+                    model_fingerprint=model_fingerprint(config.model))
     coordinator = None
     if ctx.rank == 0:
         mode = "allgather" if config.use_allgather and ctx.world > 1 else "rank_local"

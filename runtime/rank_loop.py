@@ -52,6 +52,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from common.procs import cgroup_memory_bytes
+from runtime import resume
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
 from runtime.render import frames_to_uint8, memory_figures
 from runtime.sequence import SOLO, Layout
@@ -98,9 +99,18 @@ class Ticket:
 class StepPlan:
     """Rank 0's orders for one turn, broadcast to every rank."""
 
-    # Keyed by a replica's first rank (with sp=1, every rank is a replica of its own).
-    assign: dict[int, Ticket] = field(default_factory=dict)  # replica -> job to start now
-    drop: dict[int, str] = field(default_factory=dict)  # replica -> why its job stops
+    # Keyed by a replica's first rank (with sp=1, every rank is a replica of its own). A job
+    # given to a replica that holds one already is held beside it, and runs first unless ``run``
+    # says otherwise: the other is suspended in place, its state kept on the rank.
+    assign: dict[int, Ticket] = field(default_factory=dict)  # replica -> job to take now
+    drop: dict[str, str] = field(default_factory=dict)  # job id -> why it stops (cancelled)
+    # Jobs handed back to the queue: their state is checkpointed (where checkpoints are kept),
+    # then dropped, so the next attempt resumes from this step.
+    hand_back: list[str] = field(default_factory=list)
+    # replica -> the held job it computes this turn; a replica holding jobs that is not named
+    # sits the turn out (it joins the gathers without computing). None: every replica runs the
+    # job it took last.
+    run: dict[int, str] | None = None
     # Finished jobs whose files are no longer wanted (their attempts ended meanwhile: handed
     # back, lease lost): the ranks holding them drop them, stored or not.
     abandon: list[str] = field(default_factory=list)
@@ -133,6 +143,10 @@ class RankStatus:
     # error while its writes keep failing.
     takes_jobs: bool = True
     store_error: str | None = None
+    # The step this attempt resumed from (a checkpoint of an earlier attempt); None: step 0.
+    resumed_from_step: int | None = None
+    # Whether the job computed in this turn (False: suspended or paused beside another job).
+    computed: bool = True
 
 
 @dataclass(slots=True)
@@ -143,6 +157,29 @@ class _Preview:
     step: int
     num_inference_steps: int
     frame: Any  # uint8 [H, W, 3]
+
+
+@dataclass(eq=False, slots=True)
+class _Job:
+    """A job this rank holds: its ticket, its denoising state, and what it cost so far."""
+
+    ticket: Ticket
+    state: DenoiseState
+    compute_seconds: float = 0.0  # spent in this attempt's steps
+    resumed_from_step: int | None = None
+    checkpointed_step: int = 0  # the step of its newest checkpoint (or where it started)
+    checkpointed_at: float = 0.0  # monotonic
+
+
+class Checkpoints(Protocol):
+    """Where a replica's leader keeps its jobs' denoising states (`runtime.resume`), by job id:
+    the output store, handed in. ``save`` raises OSError when the store refuses."""
+
+    def load(self, job_id: str) -> bytes | None: ...
+
+    def save(self, job_id: str, blob: bytes) -> None: ...
+
+    def delete(self, job_id: str) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -177,7 +214,9 @@ class RankLoop:
     def __init__(self, rank: int, pipe: VideoPipeline, write: WriteOutputs, platform: Any,
                  host_memory_every_seconds: float = 0.0,
                  max_held_jobs: int = MAX_HELD_JOBS, layout: Layout = SOLO,
-                 preview_every_steps: int = 0) -> None:
+                 preview_every_steps: int = 0, checkpoints: Checkpoints | None = None,
+                 checkpoint_every_steps: int = 0, checkpoint_every_seconds: float = 0.0,
+                 model_fingerprint: str = "") -> None:
         self.rank = rank
         self.layout = layout
         # The replica this rank renders with, named by its first rank; only that rank (the
@@ -188,9 +227,24 @@ class RankLoop:
         self.write = write
         self.platform = platform
         self.max_held_jobs = max_held_jobs
-        self.ticket: Ticket | None = None
-        self.state: DenoiseState | None = None
-        self.compute_seconds = 0.0  # spent in the current job's steps
+        # The jobs this rank holds, in the order it took them; the one it computes this turn
+        # is ``current`` (the last taken, unless the plan names another).
+        self.jobs: list[_Job] = []
+        self.current: _Job | None = None
+        # Checkpoints of the jobs' denoising states: read by every rank of a replica when it
+        # takes a job (it resumes where an earlier attempt stopped), written by the leader
+        # every ``checkpoint_every_steps`` steps or ``checkpoint_every_seconds`` (whichever
+        # comes first; 0: never) off the step's path, and at every hand-back.
+        self.checkpoints = checkpoints
+        self.checkpoint_every_steps = checkpoint_every_steps
+        self.checkpoint_every_seconds = checkpoint_every_seconds
+        self.model_fingerprint = model_fingerprint
+        self._to_checkpoint: dict[str, bytes] = {}  # job id -> newest blob, under ``_writes``
+        self._checkpoints_ended: list[str] = []  # jobs whose checkpoint is to be deleted
+        if checkpoints is not None and self.leads:
+            self._checkpointer = threading.Thread(target=self._store_checkpoints, daemon=True,
+                                                  name=f"kiln-checkpoints-{rank}")
+            self._checkpointer.start()
         # The writer thread's work, under ``_writes``: finished jobs whose files it is storing
         # (oldest first, the one it tries), the final statuses of those stored since the last
         # turn, and the storage's last error while it keeps failing.
@@ -220,58 +274,108 @@ class RankLoop:
         self.host_memory_every_seconds = host_memory_every_seconds
         self._host_memory = (0, -float("inf"))  # (PSS bytes, when it was read)
 
+    @property
+    def ticket(self) -> Ticket | None:
+        """The ticket of the job this rank computes this turn."""
+        return self.current.ticket if self.current else None
+
+    @property
+    def state(self) -> DenoiseState | None:
+        """The denoising state of the job this rank computes this turn."""
+        return self.current.state if self.current else None
+
     def apply(self, plan: StepPlan) -> list[RankStatus]:
-        """Drop and/or start this rank's job; statuses of jobs that this ended."""
+        """Drop, hand back and/or take jobs, and choose the one to compute this turn; statuses
+        of the jobs that this ended."""
         if plan.abandon:
             self.abandon(plan.abandon)
         ended = []
-        if self.slot in plan.drop and self.ticket is not None:
-            ended.append(self._end(outcome="cancelled", error=plan.drop[self.slot]))
+        for job in list(self.jobs):
+            job_id = job.ticket.job_id
+            if job_id in plan.hand_back:
+                self._checkpoint_now(job)
+                ended.append(self._end(job, outcome="cancelled", error="handed back",
+                                       keep_checkpoint=True))
+            elif job_id in plan.drop:
+                ended.append(self._end(job, outcome="cancelled", error=plan.drop[job_id]))
         ticket = plan.assign.get(self.slot)
         if ticket is not None:
-            self.ticket = ticket
             try:
-                self.state = self.pipe.prepare(ticket.request)
+                self.jobs.append(self._take(ticket))
             except Exception as exc:  # a request the model cannot run: fail this job only
                 log.exception("rank %d: preparing job %s failed", self.rank, ticket.job_id)
-                ended.append(self._end(outcome="failed", error=f"could not start: {exc}"))
+                ended.append(self._status_of(ticket, None, outcome="failed",
+                                             error=f"could not start: {exc}"))
+        if plan.run is None:
+            self.current = self.jobs[-1] if self.jobs else None
+        else:
+            chosen = plan.run.get(self.slot)
+            self.current = next((j for j in self.jobs if j.ticket.job_id == chosen), None)
         # The replica's other ranks end its job with it; the leader speaks for them.
         return ended if self.leads else []
 
+    def _take(self, ticket: Ticket) -> _Job:
+        """A new job's state: from the newest checkpoint of an earlier attempt when there is a
+        compatible one, else from step 0."""
+        blob = None
+        if self.checkpoints is not None:
+            try:
+                blob = self.checkpoints.load(ticket.job_id)
+            except Exception as exc:
+                log.warning("rank %d: job %s's checkpoint could not be read (%s); it starts "
+                            "from step 0", self.rank, ticket.job_id, _one_line(exc))
+        if blob is not None:
+            try:
+                state = resume.restore(self.pipe, ticket.request, blob,
+                                       model_fingerprint=self.model_fingerprint)
+            except resume.IncompatibleCheckpoint as exc:
+                log.warning("rank %d: job %s's checkpoint is not used: %s; it starts from "
+                            "step 0", self.rank, ticket.job_id, exc)
+            else:
+                log.info("rank %d: job %s resumes from step %d of %d", self.rank,
+                         ticket.job_id, state.step_index, state.num_inference_steps)
+                return _Job(ticket, state, resumed_from_step=state.step_index,
+                            checkpointed_step=state.step_index, checkpointed_at=time.monotonic())
+        return _Job(ticket, self.pipe.prepare(ticket.request), checkpointed_at=time.monotonic())
+
     def step(self, active: Any = None) -> RankStatus | None:
-        """One lock-step turn: this rank's step (or an idle one); a status if the job ended.
-        ``active``: the transformers the group runs this step (`agree_handles`)."""
-        if self.state is None:
+        """One lock-step turn: a step of the job this rank computes (or an idle one: it holds
+        none, or sits the turn out); a status if the job ended. ``active``: the transformers
+        the group runs this step (`agree_handles`)."""
+        job = self.current
+        if job is None:
             self.pipe.idle_step(active)
             return None
         started = time.perf_counter()
         try:
-            self.pipe.step(self.state, active)
+            self.pipe.step(job.state, active)
         except Exception as exc:
             # pipe.step has already issued the gathers this step did not, so the other ranks'
             # forwards complete; only this job fails.
-            log.exception("rank %d: step failed for job %s", self.rank, self._job_id())
-            ended = self._end(outcome="failed", error=f"render failed: {exc}")
+            log.exception("rank %d: step failed for job %s", self.rank, job.ticket.job_id)
+            ended = self._end(job, outcome="failed", error=f"render failed: {exc}")
             return ended if self.leads else None
-        self.compute_seconds += time.perf_counter() - started
-        if not self.state.done:
+        job.compute_seconds += time.perf_counter() - started
+        state = job.state
+        if not state.done:
             if (self.preview_every_steps
-                    and self.state.step_index % self.preview_every_steps == 0
+                    and state.step_index % self.preview_every_steps == 0
                     and time.monotonic() - self._last_preview >= PREVIEW_MIN_SECONDS):
                 self._take_preview()
+            if self._checkpoint_due(job):
+                self._checkpoint(job)
             return None
-        assert self.ticket is not None
         if not self.leads:  # the replica's leader decodes and stores the video
-            self._end(outcome="succeeded")
+            self._end(job, outcome="succeeded")
             return None
         try:
-            frames = frames_to_uint8(self.pipe.decode(self.state)).cpu().numpy()
+            frames = frames_to_uint8(self.pipe.decode(state)).cpu().numpy()
         except Exception as exc:
-            log.exception("rank %d: decoding job %s failed", self.rank, self._job_id())
-            return self._end(outcome="failed", error=f"decoding the video failed: {exc}",
+            log.exception("rank %d: decoding job %s failed", self.rank, job.ticket.job_id)
+            return self._end(job, outcome="failed", error=f"decoding the video failed: {exc}",
                              retryable=True)
-        fps = self.ticket.request.fps
-        final = self._end(outcome="succeeded")
+        fps = job.ticket.request.fps
+        final = self._end(job, outcome="succeeded")
         with self._writes:
             self._held.append(_Held(final, frames, fps))
             self._writes.notify_all()
@@ -404,6 +508,8 @@ class RankLoop:
         self._writer.join(timeout=CLOSE_WAIT_SECONDS)
         if self.preview_every_steps:
             self._previewer.join(timeout=CLOSE_WAIT_SECONDS)
+        if self.checkpoints is not None and self.leads:
+            self._checkpointer.join(timeout=CLOSE_WAIT_SECONDS)
         if given_up:
             log.warning("rank %d: leaving with %d job(s) whose files were not stored: %s",
                         self.rank, len(given_up), ", ".join(h.final.job_id or "" for h in given_up))
@@ -415,30 +521,114 @@ class RankLoop:
     def _job_id(self) -> str | None:
         return self.ticket.job_id if self.ticket else None
 
-    def _end(self, **kwargs: Any) -> RankStatus:
-        status = self._status(**kwargs)
-        if self.preview_every_steps and self.ticket is not None:
-            job_id = self.ticket.job_id
-            with self._writes:
+    def _end(self, job: _Job, *, keep_checkpoint: bool = False, **kwargs: Any) -> RankStatus:
+        """Lets go of ``job``: its status with ``kwargs``; its preview and (unless kept for the
+        next attempt) its checkpoint are deleted by their threads."""
+        status = self._status_of(job.ticket, job, **kwargs)
+        job_id = job.ticket.job_id
+        with self._writes:
+            if self.preview_every_steps:
                 if self._preview is not None and self._preview.job_id == job_id:
                     self._preview = None
                 self._previews_ended.append(job_id)
-                self._writes.notify_all()
-        self.ticket = self.state = None
-        self.compute_seconds = 0.0
+            if self.checkpoints is not None and self.leads:
+                if not keep_checkpoint:
+                    self._to_checkpoint.pop(job_id, None)
+                    self._checkpoints_ended.append(job_id)
+            self._writes.notify_all()
+        if job in self.jobs:
+            self.jobs.remove(job)
+        if self.current is job:
+            self.current = None
         return status
 
-    def _status(self, **kwargs: Any) -> RankStatus:
-        t, s = self.ticket, self.state
-        return RankStatus(rank=self.rank, job_id=t.job_id if t else None,
-                          attempt_token=t.attempt_token if t else None,
+    def _status_of(self, ticket: Ticket, job: _Job | None, **kwargs: Any) -> RankStatus:
+        s = job.state if job else None
+        return RankStatus(rank=self.rank, job_id=ticket.job_id,
+                          attempt_token=ticket.attempt_token,
                           step=s.step_index if s else 0,
                           num_inference_steps=s.num_inference_steps if s else 0,
-                          compute_seconds=self.compute_seconds, **kwargs)
+                          compute_seconds=job.compute_seconds if job else 0.0,
+                          resumed_from_step=job.resumed_from_step if job else None, **kwargs)
 
-    def progress(self) -> RankStatus:
-        """The running job's step count (no outcome yet)."""
-        return self._status()
+    def progress(self) -> list[RankStatus]:
+        """Every held job's step count (no outcome yet); ``computed``: whether it ran this
+        turn."""
+        return [self._status_of(j.ticket, j, computed=j is self.current) for j in self.jobs]
+
+    # Checkpoints of the jobs' denoising states.
+    def _checkpoint_due(self, job: _Job) -> bool:
+        if self.checkpoints is None or not self.leads:
+            return False
+        steps, seconds = self.checkpoint_every_steps, self.checkpoint_every_seconds
+        return ((steps > 0 and job.state.step_index - job.checkpointed_step >= steps)
+                or (seconds > 0 and time.monotonic() - job.checkpointed_at >= seconds))
+
+    def _checkpoint(self, job: _Job) -> None:
+        """Hands ``job``'s state to the checkpoint thread (in place of one it has not stored):
+        the snapshot is taken here, at the step boundary; the store's write is not."""
+        job.checkpointed_step, job.checkpointed_at = job.state.step_index, time.monotonic()
+        try:
+            blob = resume.snapshot(self.pipe, job.state, model_fingerprint=self.model_fingerprint)
+        except Exception:
+            log.warning("rank %d: no checkpoint of job %s", self.rank, job.ticket.job_id,
+                        exc_info=True)
+            return
+        with self._writes:
+            self._to_checkpoint[job.ticket.job_id] = blob
+            self._writes.notify_all()
+
+    def _checkpoint_now(self, job: _Job) -> None:
+        """``job``'s state, stored before this returns (a hand-back: the next attempt, maybe on
+        another group, must find this step). A store that refuses is logged: the job then
+        resumes from its last checkpoint, or step 0."""
+        if self.checkpoints is None or not self.leads:
+            return
+        job_id = job.ticket.job_id
+        with self._writes:
+            self._to_checkpoint.pop(job_id, None)
+        try:
+            blob = resume.snapshot(self.pipe, job.state, model_fingerprint=self.model_fingerprint)
+            self.checkpoints.save(job_id, blob)
+        except Exception as exc:
+            log.warning("rank %d: job %s handed back without a checkpoint of step %d: %s",
+                        self.rank, job_id, job.state.step_index, _one_line(exc))
+        else:
+            log.info("rank %d: job %s handed back with a checkpoint of step %d", self.rank,
+                     job_id, job.state.step_index)
+
+    def checkpoint_all(self) -> None:
+        """Every held job's state, stored before this returns (the group is leaving)."""
+        for job in self.jobs:
+            self._checkpoint_now(job)
+
+    def _store_checkpoints(self) -> None:
+        """The checkpoint thread: stores the newest checkpoint of each job and deletes those of
+        ended jobs; a store that refuses is logged and the checkpoint skipped (the next one, or
+        the hand-back's, tries again): a checkpoint never fails its job."""
+        assert self.checkpoints is not None
+        while True:
+            with self._writes:
+                self._writes.wait_for(lambda: self._closing or bool(self._to_checkpoint)
+                                      or bool(self._checkpoints_ended))
+                if self._closing:
+                    return
+                ended, self._checkpoints_ended = self._checkpoints_ended, []
+                pending = next(iter(self._to_checkpoint.items()), None)
+                if pending is not None:
+                    del self._to_checkpoint[pending[0]]
+            if pending is not None:
+                try:
+                    self.checkpoints.save(*pending)
+                except Exception as exc:
+                    log.warning("rank %d: job %s's checkpoint not stored: %s", self.rank,
+                                pending[0], _one_line(exc))
+            for job_id in ended:
+                try:
+                    self.checkpoints.delete(job_id)
+                except Exception as exc:
+                    log.warning("rank %d: job %s's checkpoint not deleted: %s", self.rank,
+                                job_id, _one_line(exc))
 
     def report(self) -> RankStatus:
         """This rank's own status for the turn: memory, whether it takes a new job, and the
@@ -489,18 +679,23 @@ def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
             dist.broadcast_object_list(plan_box, src=0, group=control)
             plan: StepPlan = plan_box[0]
             if plan.stop:
+                # The jobs still held go back to the queue when rank 0's driver stops: each
+                # is checkpointed first, and every rank waits for the others' checkpoints.
+                loop.checkpoint_all()
+                dist.barrier(group=control)
                 break
             statuses = loop.apply(plan)
             if plan.step:
-                # Every rank, in step: which transformers some rank's job runs this step.
+                # Every rank, in step: which transformers some rank's job runs this step (a
+                # rank that sits the turn out needs none).
                 active = agree_handles(loop.pipe, loop.state, group=control)
                 ended = loop.step(active)
                 if ended is not None:
                     statuses.append(ended)
             # Files stored meanwhile; a turn without a step waits a little for them.
             statuses.extend(loop.written(wait=0.0 if plan.step else WRITE_WAIT_SECONDS))
-            if loop.ticket is not None and loop.leads:
-                statuses.append(loop.progress())
+            if loop.leads:
+                statuses.extend(loop.progress())
             statuses.append(loop.report())
             gathered: list[Any] = [None] * world if rank == 0 else []
             dist.gather_object(statuses, gathered if rank == 0 else None, dst=0, group=control)

@@ -82,6 +82,7 @@ def claim_for_group(
     config: PolicyConfig | None = None,
     sp: int = 1,
     prefer: str = INTERACTIVE,
+    job_class: str | None = None,
 ) -> list[tuple[int, Claim]]:
     """Pick up to len(free_ranks) compatible queued jobs for this group's free ranks and claim
     each atomically (storage.lifecycle.claim_job); returns (rank, Claim) pairs, by rank. Jobs whose
@@ -93,7 +94,9 @@ def claim_for_group(
     per replica; its steps are estimated from the costs learned at that layout. ``prefer``: the
     class of jobs the group takes first, "interactive" (the default) or "batch" (a throughput
     group: `scheduler.policy.GOAL_PREFERS`); it takes the other class's jobs when none of its own
-    is due for its model, and aging lifts those in time as it lifts every waiting job."""
+    is due for its model, and aging lifts those in time as it lifts every waiting job.
+    ``job_class``: claim only jobs of that class (a replica busy with batch work is offered
+    interactive jobs only: `scheduler.turns.preempt_target`)."""
     now = now or utcnow()
     config = config or PolicyConfig()
     ranks = sorted(set(free_ranks))
@@ -118,7 +121,7 @@ def claim_for_group(
     busy = _with_costs(running, dict(zip(unknown, charges, strict=False)))
     try:
         _claim_rounds(session, redis, prefix, group_id, model, ranks, claimed, busy, costs,
-                      config, lease_seconds, now, prefer)
+                      config, lease_seconds, now, prefer, job_class)
     except Exception as exc:
         if not (claimed and is_outage(exc)):
             raise
@@ -131,7 +134,7 @@ def claim_for_group(
 def _claim_rounds(session: Session, redis: Redis, prefix: str, group_id: str, model: str,
                   ranks: list[int], claimed: dict[int, Claim], busy: list[RunningJob],
                   costs: CostModel, config: PolicyConfig, lease_seconds: float,
-                  now: datetime, prefer: str) -> None:
+                  now: datetime, prefer: str, job_class: str | None = None) -> None:
     """Rounds of pick, schedule and claim until every rank in ``ranks`` is in ``claimed`` or no
     candidate is left; ``claimed`` and ``busy`` grow as it goes."""
     for _ in range(MAX_ROUNDS):
@@ -139,7 +142,7 @@ def _claim_rounds(session: Session, redis: Redis, prefix: str, group_id: str, mo
         if not want:
             break
         policy, loaded = candidates(redis, prefix, model, now.timestamp(), len(want), costs,
-                                    config, prefer)
+                                    config, prefer, job_class)
         plan = policy.schedule(want, model=model, running=busy, now=now.timestamp(),
                                prefer=prefer)
         for job_id in plan.expired:
@@ -174,7 +177,8 @@ def _with_costs(running: Sequence[RunningJob],
 
 def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
                costs: CostModel, config: PolicyConfig,
-               prefer: str = INTERACTIVE) -> tuple[Policy, dict[str, QueuedJob]]:
+               prefer: str = INTERACTIVE, job_class: str | None = None,
+               ) -> tuple[Policy, dict[str, QueuedJob]]:
     """A throwaway policy holding just the jobs that can win ``num_free`` ranks.
 
     The policy takes the highest level, then the least-served user (oldest due at the top
@@ -183,11 +187,15 @@ def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
     ``num_free`` user queues in that order, and from their ``cost_window + num_free`` oldest
     jobs: that, plus a little slack, is all that is read (`scheduler.queue_index.pick`).
     Levels are those of a group that prefers the class ``prefer``, in the pick as in the policy.
+    ``job_class``: only that class's jobs are candidates (those of the other class that the
+    pick returns are left in the queue).
     """
     jobs, served = queue_index.pick(redis, prefix, model, now=now,
                                     aging_seconds=config.aging_seconds,
                                     num_queues=num_free + EXTRA_QUEUES,
                                     num_jobs=config.cost_window + num_free, prefer=prefer)
+    if job_class is not None:
+        jobs = [j for j in jobs if j.job_class == job_class]
     policy = Policy(config, costs)
     policy.add_many(jobs)
     for (job_class, owner), value in served.items():

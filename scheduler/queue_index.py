@@ -335,6 +335,16 @@ def queue_key(prefix: str, model: str, job_class: str, priority: int, owner: str
     return f"{prefix}sched:q:{queue_name(model, job_class, priority)}:{owner}"
 
 
+def has_due(redis: Redis, prefix: str, model: str, job_class: str, now: float) -> bool:
+    """Whether some user's queue of ``job_class`` jobs for ``model`` has a job due by ``now``
+    (one round trip; a stale entry can make it say yes: the claim that follows finds out)."""
+    pipe = redis.pipeline(transaction=False)
+    for priority in range(MIN_PRIORITY, MAX_PRIORITY + 1):
+        pipe.zrangebyscore(users_key(prefix, model, job_class, priority), "-inf", repr(now),
+                           start=0, num=1)
+    return any(pipe.execute())
+
+
 def jobs_key(prefix: str) -> str:
     return f"{prefix}sched:job"
 

@@ -56,7 +56,7 @@ class ScriptedDriver:
                  if st.job_id == "long" and st.outcome is None]
         if not self.cancelled and steps and steps[-1] >= CANCEL_AFTER:
             self.cancelled = True
-            return StepPlan(drop={0: "cancelled by the user"},
+            return StepPlan(drop={"long": "cancelled by the user"},
                             assign={0: Ticket(job_id="next", attempt_token="t2", request=NEXT)},
                             step=True)
         rendered = any(st.job_id == "next" and st.outcome == "rendered"
