@@ -148,8 +148,9 @@ class Holding:
     ticket: Ticket
     replica: int  # the replica's first rank
     job_class: str
-    seconds_per_step: float  # the cost model's estimate until the job's own steps measure it
+    seconds_per_step: float  # the cost model's estimate
     steps_left: int
+    measured: float | None = None  # its own seconds per step, once it has run one
     order: int  # when the replica took it (a counter of the group's claims)
     waiting_since: float | None = None  # monotonic, while it does not compute
     suspended_by: str | None = None  # the job it is suspended for (its replica runs that one)
@@ -159,7 +160,8 @@ class Holding:
         waited = 0.0 if self.waiting_since is None else now - self.waiting_since
         return HeldJob(job_id=self.ticket.job_id, replica=self.replica,
                        job_class=self.job_class, seconds_per_step=self.seconds_per_step,
-                       steps_left=self.steps_left, order=self.order, paused_seconds=waited)
+                       steps_left=self.steps_left, order=self.order, paused_seconds=waited,
+                       measured=self.measured)
 
 
 class LeaseKeeper:
@@ -298,6 +300,7 @@ class Coordinator:
         self.writing: dict[str, RankStatus] = {}
         self.cancels: dict[str, str] = {}  # job id -> reason, sent with the next plan
         self.hand_backs: set[str] = set()  # jobs handed back, checkpointed by the next plan
+        self._await_write = False  # an interactive job rendered: its files come next turn
         self.stopping = False
         self.drain_deadline: float | None = None  # monotonic; set when a stop is asked for
         # Final transitions an outage held back: job id -> the rank's status, tried every turn.
@@ -370,6 +373,13 @@ class Coordinator:
                 else:
                     self._recovered()  # after the claims: these are not lost ones
             self.leases.track(self.tickets(), self.writing, self.unfinished)
+            if self.held and self._await_write:
+                # An interactive job has just rendered: a turn without a step, in which its
+                # replica stores it (the turn ends as soon as it is stored), rather than a turn
+                # of the batch job beside it before its final status can come.
+                self._await_write = False
+                self._last_work = time.monotonic()
+                return plan
             if self.held:
                 self._last_work = time.monotonic()
                 self._choose_turn(plan)
@@ -574,6 +584,7 @@ class Coordinator:
                     self.held.pop(st.job_id)  # its replica is free of it
                 if st.outcome == "rendered":
                     self.writing[st.job_id] = st
+                    self._await_write |= h is not None and h.job_class == INTERACTIVE
                     continue
                 self.writing.pop(st.job_id, None)
                 self._finish(session, st)
@@ -590,7 +601,7 @@ class Coordinator:
         h.steps_left = st.num_inference_steps - st.step
         done_here = st.step - (st.resumed_from_step or 0)
         if done_here > 0 and st.compute_seconds > 0:
-            h.seconds_per_step = st.compute_seconds / done_here
+            h.measured = st.compute_seconds / done_here
         if st.resumed_from_step is not None and not h.resume_noted:
             h.resume_noted = True
             job_log("resumed", job=h.ticket.job_id, attempt=self.attempt_numbers.get(

@@ -20,13 +20,14 @@ The rules, applied by `choose_turn` to what the group holds (pure: no clock, no 
    stream of interactive jobs; aging in the queue bounds the rest.
 
 Seconds per step are measured (a job's own compute time over the steps it ran) once the job has
-run a step, and estimated from its tokens before that; only their ratios matter here.
+run a step; before that the cost model's estimate is scaled by how far off it was for the jobs
+that have (`calibrated`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.policy import BATCH, INTERACTIVE
 
@@ -43,14 +44,25 @@ class HeldJob:
     job_id: str
     replica: int  # its replica's first rank
     job_class: str  # "interactive" | "batch"
-    seconds_per_step: float  # measured once it ran a step, estimated before
+    seconds_per_step: float  # the cost model's estimate, in its own scale
     steps_left: int
     order: int  # when its replica took it (a counter): later wins a tie
     paused_seconds: float = 0.0  # how long it has sat out in a row (turns it did not compute)
+    measured: float | None = None  # its own seconds per step, once it has run one
 
     @property
     def work_left(self) -> float:
-        return self.steps_left * self.seconds_per_step
+        return self.steps_left * (self.measured or self.seconds_per_step)
+
+
+def calibrated(held: list[HeldJob]) -> list[HeldJob]:
+    """``held`` with every job's cost in measured seconds: a job that has not run a step yet
+    is given its estimate times the median measured/estimated ratio of the jobs that have (an
+    untrained cost model's guess is right in ratio only, not in seconds)."""
+    ratios = sorted(j.measured / j.seconds_per_step for j in held
+                    if j.measured and j.seconds_per_step > 0)
+    scale = ratios[len(ratios) // 2] if ratios else 1.0
+    return [replace(j, measured=j.measured or j.seconds_per_step * scale) for j in held]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,7 +95,7 @@ def choose_turn(held: Iterable[HeldJob], config: TurnConfig | None = None) -> Tu
     """The turn's choice for the jobs the group holds (see the module docstring)."""
     config = config or TurnConfig()
     by_replica: dict[int, list[HeldJob]] = {}
-    for job in held:
+    for job in calibrated(list(held)):
         by_replica.setdefault(job.replica, []).append(job)
     turn = Turn()
     chosen: dict[int, HeldJob] = {}
@@ -94,11 +106,11 @@ def choose_turn(held: Iterable[HeldJob], config: TurnConfig | None = None) -> Tu
         for job in jobs:
             if job is not first:
                 turn.waiting[job.job_id] = f"suspended for job {first.job_id}"
-    interactive = [j.seconds_per_step for j in chosen.values() if j.job_class == INTERACTIVE]
+    interactive = [j.measured or 0.0 for j in chosen.values() if j.job_class == INTERACTIVE]
     bound = max(interactive) * (1 + config.slack) if interactive else None
     for replica, job in chosen.items():
         computes = (bound is None or job.job_class == INTERACTIVE
-                    or job.seconds_per_step <= bound
+                    or (job.measured or 0.0) <= bound
                     or job.paused_seconds >= config.max_pause_seconds)
         if computes:
             turn.run[replica] = job.job_id
@@ -117,7 +129,7 @@ def preempt_target(held: Iterable[HeldJob], replicas: Iterable[int], *,
     replica qualifies."""
     config = config or TurnConfig()
     by_replica: dict[int, list[HeldJob]] = {r: [] for r in replicas}
-    for job in held:
+    for job in calibrated(list(held)):
         by_replica.setdefault(job.replica, []).append(job)
     best: tuple[float, int] | None = None
     for replica, jobs in by_replica.items():

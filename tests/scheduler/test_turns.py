@@ -90,3 +90,13 @@ def test_every_replica_holding_jobs_runs_one_or_sits_out_and_someone_always_comp
         assert ids[job_id].replica == replica
     # Every interactive job chosen on its replica computes; nothing waits without a reason.
     assert set(turn.run.values()) | set(turn.waiting) == set(ids)
+
+
+def test_a_job_not_yet_measured_is_costed_by_how_far_off_the_estimates_were() -> None:
+    # The cost model guessed 0.37 "seconds" for the small job and 1.6 for the big one; the big
+    # one measured 0.035 s a step, so the small one is taken for ~0.008 s: the big one pauses.
+    big = job("big", 0, step=1.6, steps_left=10)
+    big.measured = 0.035
+    small = job("small", 1, "interactive", step=0.37, steps_left=4)
+    turn = choose_turn([big, small])
+    assert turn.run == {1: "small"} and turn.pause == {0}
