@@ -241,10 +241,6 @@ class RankLoop:
         self.model_fingerprint = model_fingerprint
         self._to_checkpoint: dict[str, bytes] = {}  # job id -> newest blob, under ``_writes``
         self._checkpoints_ended: list[str] = []  # jobs whose checkpoint is to be deleted
-        if checkpoints is not None and self.leads:
-            self._checkpointer = threading.Thread(target=self._store_checkpoints, daemon=True,
-                                                  name=f"kiln-checkpoints-{rank}")
-            self._checkpointer.start()
         # The writer thread's work, under ``_writes``: finished jobs whose files it is storing
         # (oldest first, the one it tries), the final statuses of those stored since the last
         # turn, and the storage's last error while it keeps failing.
@@ -269,6 +265,10 @@ class RankLoop:
             self._previewer = threading.Thread(target=self._store_previews, daemon=True,
                                                name=f"kiln-preview-{rank}")
             self._previewer.start()
+        if checkpoints is not None and self.leads:
+            self._checkpointer = threading.Thread(target=self._store_checkpoints, daemon=True,
+                                                  name=f"kiln-checkpoints-{rank}")
+            self._checkpointer.start()
         # Reading /proc/self/smaps_rollup walks every mapping (the mmapped weights included):
         # milliseconds per read, so it is read once per report, not once per step.
         self.host_memory_every_seconds = host_memory_every_seconds
