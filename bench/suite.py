@@ -160,6 +160,8 @@ SCRIPTS: dict[str, tuple[list[str], list[str] | None]] = {
                 ["layouts.py", "--sizes", "64x64x9x4", "--reps", "1", "--rounds", "1", "--jobs",
                  "2", "--mix", "64x64x9x4,64x64x9x8", "--uniform", "64x64x9x4",
                  "--uniform-jobs", "2", "--json", "{json}"]),
+    "mixed": (["mixed.py", "--rounds", "3", "--json", "{json}"],
+              ["mixed.py", "--big", "64x64x9x6", "--rounds", "1", "--json", "{json}"]),
     # The GPU check: only with --device cuda (its --dry-run runs the same code on the CPU).
     "cuda": (["cuda_check.py", "--json", "{json}"],
              ["cuda_check.py", "--dry-run", "--json", "{json}"]),
@@ -433,6 +435,33 @@ def _layouts_section(result: dict[str, Any], plot: str) -> list[str]:
     return lines + [""]
 
 
+def _mixed_section(mixed: dict[str, Any]) -> list[str]:
+    lines = ["## Mixed workloads: a small job beside a big one", "",
+             f"kiln-tiny at dp=2 through the rank loop, two CPU ranks of one thread "
+             f"(`{mixed['command']}`): a {mixed['big']} batch job (width x height x frames x "
+             f"steps) on one replica; once it has run {mixed['after_steps']} steps a {mixed['small']} "
+             "interactive job arrives on the other. In lock-step every replica computes every "
+             "turn, so each of the small job's turns lasts a big step; time-sliced, the turn "
+             "choice (`scheduler.turns`) lets the big job sit out while the small one runs. A "
+             "job's time runs from the turn that hands it to its replica to its final status; "
+             f"medians of {mixed['rounds']} rounds, the four scenarios interleaved in each. The "
+             "bounds: the small job within 1.5x its solo time, the big job within 1.1x its solo "
+             "time plus the small job's.", "",
+             "| mode | small solo, s | big solo, s | scheme | small, s | x solo | big, s | "
+             "x (big + small solo) | within bounds |", "|---|---|---|---|---|---|---|---|---|"]
+    for mode, m in mixed["modes"].items():
+        for name in ("lockstep", "sliced"):
+            r = m[name]
+            lines.append(f"| {mode} | {m['small_solo_s']:.3f} | {m['big_solo_s']:.2f} | {name} | "
+                         f"{r['small_s']:.3f} | {r['small_over_solo']:.2f} | {r['big_s']:.2f} | "
+                         f"{r['big_over_bound']:.2f} | "
+                         f"{'yes' if r['small_ok'] and r['big_ok'] else 'no'} |")
+    lines += ["", "In rank-local mode the replicas share no collective, yet the time-sliced big "
+              "job still pauses while the small one runs: the group's turns are one control "
+              "loop for every replica, so replicas at their own pace are not built yet.", ""]
+    return lines
+
+
 def _soak_section(soak: dict[str, Any]) -> list[str]:
     states = ", ".join(f"{k} {v}" for k, v in soak["states"].items())
     faults = ", ".join(f"{k} {v}" for k, v in soak["faults"].items())
@@ -596,6 +625,8 @@ def write_report(out: Path, report: Path) -> None:
         _throughput_plot(layouts, out / "throughput.png")
         lines += _layouts_section(layouts, os.path.relpath(out / "throughput.png",
                                                            report.parent))
+    if (out / "mixed.json").is_file():
+        lines += _mixed_section(json.loads((out / "mixed.json").read_text()))
     if (out / "soak.json").is_file():
         lines += _soak_section(json.loads((out / "soak.json").read_text()))
     if all((out / f"{n}.json").is_file() for n in ("submit", "service_latency", "claim")):
