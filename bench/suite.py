@@ -439,8 +439,8 @@ def _mixed_section(mixed: dict[str, Any]) -> list[str]:
     lines = ["## Mixed workloads: a small job beside a big one", "",
              f"kiln-tiny at dp=2 through the rank loop, two CPU ranks of one thread "
              f"(`{mixed['command']}`): a {mixed['big']} batch job (width x height x frames x "
-             f"steps) on one replica; once it has run {mixed['after_steps']} steps a {mixed['small']} "
-             "interactive job arrives on the other. In lock-step every replica computes every "
+             f"steps) on one replica; once it has run {mixed['after_steps']} steps a "
+             f"{mixed['small']} interactive job arrives on the other. In lock-step every replica computes every "
              "turn, so each of the small job's turns lasts a big step; time-sliced, the turn "
              "choice (`scheduler.turns`) lets the big job sit out while the small one runs. A "
              "job's time runs from the turn that hands it to its replica to its final status; "
