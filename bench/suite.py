@@ -442,11 +442,11 @@ def _mixed_section(mixed: dict[str, Any]) -> list[str]:
              f"steps) on one replica; once it has run {mixed['after_steps']} steps a "
              f"{mixed['small']} interactive job arrives on the other. In lock-step every "
              "replica computes every turn, so each of the small job's turns lasts a big step; "
-             "time-sliced, the turn choice (`scheduler.turns`) lets the big job sit out while the small one runs. A "
-             "job's time runs from the turn that hands it to its replica to its final status; "
-             f"medians of {mixed['rounds']} rounds, the four scenarios interleaved in each. The "
-             "bounds: the small job within 1.5x its solo time, the big job within 1.1x its solo "
-             "time plus the small job's.", "",
+             "time-sliced, the turn choice (`scheduler.turns`) lets the big job sit out while "
+             "the small one runs. A job's time runs from the turn that hands it to its replica "
+             f"to its final status; medians of {mixed['rounds']} rounds, the four scenarios "
+             "interleaved in each. The bounds: the small job within 1.5x its solo time, the big "
+             "job within 1.1x its solo time plus the small job's.", "",
              "| mode | small solo, s | big solo, s | scheme | small, s | x solo | big, s | "
              "x (big + small solo) | within bounds |", "|---|---|---|---|---|---|---|---|---|"]
     for mode, m in mixed["modes"].items():
