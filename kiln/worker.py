@@ -482,9 +482,11 @@ class Coordinator:
         plan.assign = self._claim(free, job_class)
 
     def _claim(self, free: list[int], job_class: str | None = None) -> dict[int, Ticket]:
+        # A replica offered to an interactive job holds the batch job it will suspend: to the
+        # policy it is a free rank, and that job is not one of the group's running ones.
         running = [RunningJob(job_id=h.ticket.job_id, rank=h.replica, model=self.config.model,
                               cost_per_step=0.0, steps_left=h.steps_left)
-                   for h in self.held.values()]
+                   for h in self.held.values() if h.replica not in free]
         with self.sessions() as session:
             claims = claim_for_group(
                 session, self.redis, prefix=self.settings.redis_prefix, group_id=self.group_id,
