@@ -43,7 +43,7 @@ from scheduler import queue_index
 from scheduler.attempts import settle
 from storage import lifecycle, retention, webhooks
 from storage.db import make_engine, make_session_factory
-from storage.outputs import OutputStore, make_store
+from storage.outputs import OutputStore, checkpoint_key, make_store
 from storage.tables import Batch, Job, JobState, utcnow
 
 log = logging.getLogger(__name__)
@@ -498,6 +498,12 @@ def reap_leases(ctx: Context, *, now: datetime | None = None) -> Reaping:
         ended = out.dead + out.cancelled + out.expired
         notify = webhooks.has_webhook(session, ended)
         done = webhooks.completed_batches(session, ended)
+    # A job that ends here had a rank that stopped answering: its checkpoint is not wanted.
+    for job_id in out.dead + out.cancelled:
+        try:
+            ctx.store.delete(checkpoint_key(job_id))
+        except OSError as exc:  # best effort: it is left in the store, and said so
+            log.warning("job %s's checkpoint not deleted: %s", job_id, exc)
     return Reaping(requeued=[j.id for j in out.requeued], dead=out.dead,
                    cancelled=out.cancelled, expired=out.expired, notify=notify, batches=done)
 
