@@ -28,6 +28,7 @@ from runtime.pipelines.base import VideoRequest
 from runtime.render import frames_to_uint8, load_pipeline
 from scheduler import queue_index
 from storage import lifecycle, queries
+from storage.outputs import checkpoint_key
 from storage.tables import Job, utcnow
 from storage.video import write_outputs
 
@@ -109,7 +110,8 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
         # is not one of its outputs; the next attempt replaces it and removes it at the end).
         outputs = Path(service.settings.output_dir)
         assert not outputs.exists() or not any(
-            p.is_file() for p in outputs.rglob("*") if "previews" not in p.parts)
+            p.is_file() for p in outputs.rglob("*")
+            if "previews" not in p.parts and "checkpoints" not in p.parts)
 
         # 2. While the lease holds, the reaper leaves the job alone; once it lapses, the reaper
         # puts the job back in the queue and in the queue index.
@@ -141,6 +143,7 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
             assert lifecycle.fail_job(s, job_id, old_token, error="late", retryable=True) is None
         after = job_row(service, job_id)
         assert (after.state, after.attempts, after.progress_step) == ("queued", 1, 0)
+        checkpointed = service.store.exists(checkpoint_key(job_id))
 
         # 4. A new group on the same database and Redis picks the job up and renders it.
         with worker_group(service, dp=2, lease_seconds=LEASE):
@@ -151,7 +154,16 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
         assert finished.output_video_key != "forged.mp4"
         with db.session() as s:
             kinds = [e.kind for e in queries.job_events(s, job_id)]
-        assert kinds == ["created", "claimed", "requeued", "claimed", "succeeded"], kinds
+        # The second attempt resumed from the killed one's newest checkpoint, if it wrote one.
+        assert [k for k in kinds if k != "resumed"] == [
+            "created", "claimed", "requeued", "claimed", "succeeded"], kinds
+        assert ("resumed" in kinds) == checkpointed, kinds
+        if checkpointed:  # every 5 steps: little of the killed attempt is computed again
+            assert finished.resumed_from_step is not None
+            assert finished.resumed_from_step >= killed.progress_step - 10, (
+                finished.resumed_from_step, killed.progress_step)
+            print(f"killed at step {killed.progress_step}, resumed from step "
+                  f"{finished.resumed_from_step}")
 
         # Its video is the one `kiln render` makes for the same request and seed.
         r = client.get(f"/v1/jobs/{job_id}/video")
