@@ -160,8 +160,8 @@ SCRIPTS: dict[str, tuple[list[str], list[str] | None]] = {
                 ["layouts.py", "--sizes", "64x64x9x4", "--reps", "1", "--rounds", "1", "--jobs",
                  "2", "--mix", "64x64x9x4,64x64x9x8", "--uniform", "64x64x9x4",
                  "--uniform-jobs", "2", "--json", "{json}"]),
-    "mixed": (["mixed.py", "--rounds", "3", "--json", "{json}"],
-              ["mixed.py", "--big", "64x64x9x6", "--rounds", "1", "--json", "{json}"]),
+    # Two rank sets, each loading the model and warming up: not in --quick.
+    "mixed": (["mixed.py", "--rounds", "3", "--json", "{json}"], None),
     # The GPU check: only with --device cuda (its --dry-run runs the same code on the CPU).
     "cuda": (["cuda_check.py", "--json", "{json}"],
              ["cuda_check.py", "--dry-run", "--json", "{json}"]),
