@@ -192,13 +192,8 @@ def note_resumed(
     ``step``: records it on the job (``resumed_from_step``, which each claim clears) with a
     ``resumed`` event; commits. False (nothing written) if the attempt is no longer current."""
     step = _step(step)
-    now = now or utcnow()
-    job = _transition(
-        session, job_id, attempt=attempt_token, event="resumed",
-        detail=lambda job: {"step": step, "total_steps": _total_steps(job)}, now=now,
-        resumed_from_step=step,
-    )
-    return job is not None
+    return _note_step(session, job_id, attempt_token, "resumed", step, now,
+                      resumed_from_step=step)
 
 
 def note_preempted(
@@ -214,14 +209,8 @@ def note_preempted(
     job ``by_job``: counts it (``preemptions``) with a ``preempted`` event; commits. The job stays
     running (its lease must still be renewed). False (nothing written) if the attempt is no
     longer current."""
-    step = _step(step)
-    now = now or utcnow()
-    job = _transition(
-        session, job_id, attempt=attempt_token, event="preempted",
-        detail=lambda job: {"step": step, "total_steps": _total_steps(job), "by_job": str(by_job)},
-        now=now, preemptions=Job.preemptions + 1,
-    )
-    return job is not None
+    return _note_step(session, job_id, attempt_token, "preempted", _step(step), now,
+                      {"by_job": str(by_job)}, preemptions=Job.preemptions + 1)
 
 
 def note_continued(
@@ -234,13 +223,21 @@ def note_continued(
 ) -> bool:
     """This attempt, suspended by `note_preempted`, goes on at ``step``: a ``continued`` event;
     commits. False (nothing written) if the attempt is no longer current."""
-    step = _step(step)
-    now = now or utcnow()
     # A no-op assignment: the guarded UPDATE is what tells a current attempt from a stale one.
+    return _note_step(session, job_id, attempt_token, "continued", _step(step), now,
+                      attempt_token=attempt_token)
+
+
+def _note_step(session: Session, job_id: str, token: str, kind: str, step: int,
+               now: datetime | None, more: dict[str, Any] | None = None, /,
+               **values: Any) -> bool:
+    """One guarded UPDATE of a running attempt's row (``values``) with its ``kind`` event,
+    whose detail is the step, the job's steps and ``more``; False if the attempt is not
+    current."""
     job = _transition(
-        session, job_id, attempt=attempt_token, event="continued",
-        detail=lambda job: {"step": step, "total_steps": _total_steps(job)}, now=now,
-        attempt_token=attempt_token,
+        session, job_id, attempt=token, event=kind,
+        detail=lambda job: {"step": step, "total_steps": _total_steps(job), **(more or {})},
+        now=now or utcnow(), **values,
     )
     return job is not None
 
