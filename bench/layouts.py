@@ -250,22 +250,26 @@ class QueueDriver:
         lets it."""
         return True
 
-    def record(self, statuses: list[Any]) -> None:
+    def record(self, messages: list[Any]) -> None:
+        from runtime.rank_loop import Ended, RankReport, Rendered
+
         now = time.perf_counter() - self.t0
-        for st in statuses:
-            if st.job_id is None:  # a rank's own report
-                if st.rank in self.takes_jobs:
-                    self.takes_jobs[st.rank] = st.takes_jobs
+        for m in messages:
+            if isinstance(m, RankReport):
+                if m.rank in self.takes_jobs:
+                    self.takes_jobs[m.rank] = m.takes_jobs
                 continue
-            job = self.by_id[st.job_id]
-            if st.outcome in ("rendered", "failed", "cancelled") and \
-                    self.busy.get(st.rank) == st.job_id:
-                del self.busy[st.rank]  # the replica takes a new job at the next boundary
+            if not isinstance(m, Rendered | Ended):
+                continue
+            job = self.by_id[m.job_id]
+            if self.busy.get(m.rank) == m.job_id and (
+                    isinstance(m, Rendered) or m.outcome != "succeeded"):
+                del self.busy[m.rank]  # the replica takes a new job at the next boundary
                 job.rendered = now
-            if st.outcome in ("succeeded", "failed", "cancelled"):
+            if isinstance(m, Ended):
                 job.finished = now
-                if st.outcome != "succeeded":
-                    job.error = f"{st.outcome}: {st.error}"
+                if m.outcome != "succeeded":
+                    job.error = f"{m.outcome}: {m.error}"
 
     def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
         pass

@@ -109,27 +109,29 @@ class ScriptDriver:
             plan.run = turn.run
         return plan
 
-    def record(self, statuses: list[Any]) -> None:
+    def record(self, messages: list[Any]) -> None:
+        from runtime.rank_loop import Ended, Progress, Rendered
+
         now = time.perf_counter()
-        for st in statuses:
-            if st.job_id is None or st.job_id not in self._assigned_at:
+        for m in messages:
+            if getattr(m, "job_id", None) not in self._assigned_at:
                 continue
-            held = self._held.get(st.job_id)
-            if st.outcome is None and held is not None:
-                held["steps_left"] = st.num_inference_steps - st.step
-                if st.step > 0 and st.compute_seconds > 0:
-                    held["measured"] = st.compute_seconds / st.step
-                if st.job_id.startswith("big"):
-                    self._big_steps = st.step
-            elif st.outcome in ("succeeded", "failed", "cancelled"):
-                if st.outcome != "succeeded":
-                    raise RuntimeError(f"{st.job_id}: {st.outcome}: {st.error}")
-                self._times[st.job_id] = now - self._assigned_at[st.job_id]
-            if st.outcome == "rendered" and self._scenario == "sliced" \
-                    and st.job_id.startswith("small"):
+            held = self._held.get(m.job_id)
+            if isinstance(m, Progress) and held is not None:
+                held["steps_left"] = m.num_inference_steps - m.step
+                if m.step > 0 and m.compute_seconds > 0:
+                    held["measured"] = m.compute_seconds / m.step
+                if m.job_id.startswith("big"):
+                    self._big_steps = m.step
+                continue
+            if isinstance(m, Ended):
+                if m.outcome != "succeeded":
+                    raise RuntimeError(f"{m.job_id}: {m.outcome}: {m.error}")
+                self._times[m.job_id] = now - self._assigned_at[m.job_id]
+            if isinstance(m, Rendered) and self._scenario == "sliced" \
+                    and m.job_id.startswith("small"):
                 self._await_write = True
-            if st.outcome is not None:
-                self._held.pop(st.job_id, None)
+            self._held.pop(m.job_id, None)
         if not self._pending and len(self._times) == len(self._assigned_at):
             row = {"scenario": self._scenario}
             for job_id, seconds in self._times.items():

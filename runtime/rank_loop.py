@@ -12,7 +12,8 @@
    function it is given), and is free for a new job at the next step boundary: the encoding
    (longer than the decode) does not hold up the other ranks, which wait for this one at every
    gather. The job's final status follows when its files are stored.
-4. Rank 0 gathers every rank's `RankStatus` and hands them to the driver.
+4. Rank 0 gathers every rank's messages (`Progress`, `Rendered`, `Ended`, `RankReport`) and hands
+   them to the driver.
 
 Replicas (``runtime.sequence.Layout``): with ``sp > 1`` the ranks of a replica run one job
 together, its token sequence split over them; the plan names a replica by its first rank, and
@@ -23,8 +24,8 @@ A write the storage refuses (``write`` raises ``OSError``: a full or read-only o
 an object store that cannot be reached) is no fault of the render: the writer thread keeps the
 job (its frames; ``write`` keeps what it encoded) and tries again with a backoff (1 s doubling to
 30 s) until it is stored, never rendering it again. A rank holds at most ``max_held_jobs``
-finished jobs waiting for their files; at the bound it takes no new job (`RankStatus.takes_jobs`)
-and the driver sees why (`RankStatus.store_error`). A job the driver gives up (`StepPlan.abandon`:
+finished jobs waiting for their files; at the bound it takes no new job (`RankReport.takes_jobs`)
+and the driver sees why (`RankReport.store_error`). A job the driver gives up (`StepPlan.abandon`:
 its attempt was handed back) is dropped, and so is every job still held when the loop ends.
 
 Previews: where the pipeline offers them (``can_preview``) and ``write`` stores them, a replica's
@@ -118,35 +119,70 @@ class StepPlan:
     step: bool = False  # some rank has a job: every rank runs one step
 
 
+# What the ranks tell rank 0 after each turn, gathered there and handed to the driver: one
+# message per held job (`Progress`), per job whose frames are done (`Rendered`) or whose attempt
+# ended (`Ended`), and each rank's own `RankReport`. A job's messages come from its replica's
+# first rank, and ``rank`` is that rank.
+
+
 @dataclass(kw_only=True, slots=True)
-class RankStatus:
-    """One rank's report for one turn, gathered on rank 0. A job's statuses come from its
-    replica's first rank, and ``rank`` is that rank; the other ranks of a replica report only
-    themselves (``memory``, ``takes_jobs``)."""
+class Progress:
+    """A job its replica holds, after the turn: its step, and whether it computed this turn
+    (False: it sat the turn out, or is suspended beside another job)."""
 
     rank: int
-    job_id: str | None = None
-    attempt_token: str | None = None
-    step: int = 0  # steps done
-    num_inference_steps: int = 0  # the job's step count
-    # None (still running) | "rendered" (the rank is free; the job's files are being written,
-    # its final status follows) | "succeeded" | "failed" | "cancelled"
-    outcome: str | None = None
+    job_id: str
+    attempt_token: str
+    step: int  # steps done
+    num_inference_steps: int  # the job's step count
+    compute_seconds: float = 0.0  # this attempt's time in its own steps (not in idle turns)
+    # The step this attempt resumed from (a checkpoint of an earlier attempt); None: step 0.
+    resumed_from_step: int | None = None
+    computed: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class Rendered:
+    """A job's frames are done and its replica is free of it; its files are being stored, and
+    its `Ended` follows once they are."""
+
+    rank: int
+    job_id: str
+    attempt_token: str
+    num_inference_steps: int
+    compute_seconds: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class Ended:
+    """A job's attempt is over on its replica: its final status."""
+
+    rank: int
+    job_id: str
+    attempt_token: str
+    outcome: str  # "succeeded" | "failed" | "cancelled"
+    step: int = 0
+    num_inference_steps: int = 0
     video_key: str | None = None
     thumbnail_key: str | None = None
     error: str | None = None
     retryable: bool = False  # the worker, not the request, was at fault
-    compute_seconds: float = 0.0  # this rank's time in its job's steps (excludes idle steps)
+    compute_seconds: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class RankReport:
+    """A rank's own state, every turn: its memory, whether it may be given a new job (False
+    while it holds as many finished jobs waiting for their files as it may), and the storage's
+    last error while its writes keep failing."""
+
+    rank: int
     memory: dict[str, Any] = field(default_factory=dict)
-    # The rank's own report (with ``memory``): whether it may be given a new job (False while it
-    # holds as many finished jobs waiting for their files as it may), and the storage's last
-    # error while its writes keep failing.
     takes_jobs: bool = True
     store_error: str | None = None
-    # The step this attempt resumed from (a checkpoint of an earlier attempt); None: step 0.
-    resumed_from_step: int | None = None
-    # Whether the job computed in this turn (False: suspended or paused beside another job).
-    computed: bool = True
+
+
+RankMessage = Progress | Rendered | Ended | RankReport
 
 
 @dataclass(slots=True)
@@ -186,7 +222,7 @@ class Checkpoints(Protocol):
 class _Held:
     """A finished job whose files the writer thread is storing."""
 
-    final: RankStatus  # its status once stored
+    final: Ended  # its status once stored
     frames: Any  # uint8 [N, H, W, 3], kept until the files are stored
     fps: int
 
@@ -200,7 +236,7 @@ class GroupDriver(Protocol):
     def next_plan(self, stop_requested: bool) -> StepPlan:
         """The orders for the next turn; may wait (briefly) for work."""
 
-    def record(self, statuses: list[RankStatus]) -> None:
+    def record(self, messages: list[RankMessage]) -> None:
         """What every rank reported for the turn."""
 
     def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
@@ -246,7 +282,7 @@ class RankLoop:
         # turn, and the storage's last error while it keeps failing.
         self._writes = threading.Condition()
         self._held: list[_Held] = []
-        self._stored: list[RankStatus] = []
+        self._stored: list[Ended] = []
         self.store_error: str | None = None
         self._closing = False
         self._writer = threading.Thread(target=self._write_held, daemon=True,
@@ -284,8 +320,8 @@ class RankLoop:
         """The denoising state of the job this rank computes this turn."""
         return self.current.state if self.current else None
 
-    def apply(self, plan: StepPlan) -> list[RankStatus]:
-        """Drop, hand back and/or take jobs, and choose the one to compute this turn; statuses
+    def apply(self, plan: StepPlan) -> list[Ended]:
+        """Drop, hand back and/or take jobs, and choose the one to compute this turn; the ends
         of the jobs that this ended."""
         if plan.abandon:
             self.abandon(plan.abandon)
@@ -304,8 +340,9 @@ class RankLoop:
                 self.jobs.append(self._take(ticket))
             except Exception as exc:  # a request the model cannot run: fail this job only
                 log.exception("rank %d: preparing job %s failed", self.rank, ticket.job_id)
-                ended.append(self._status_of(ticket, None, outcome="failed",
-                                             error=f"could not start: {exc}"))
+                ended.append(Ended(rank=self.rank, job_id=ticket.job_id,
+                                   attempt_token=ticket.attempt_token, outcome="failed",
+                                   error=f"could not start: {exc}"))
         if plan.run is None:
             self.current = self.jobs[-1] if self.jobs else None
         else:
@@ -338,7 +375,7 @@ class RankLoop:
                             checkpointed_step=state.step_index, checkpointed_at=time.monotonic())
         return _Job(ticket, self.pipe.prepare(ticket.request), checkpointed_at=time.monotonic())
 
-    def step(self, active: Any = None) -> RankStatus | None:
+    def step(self, active: Any = None) -> Rendered | Ended | None:
         """One lock-step turn: a step of the job this rank computes (or an idle one: it holds
         none, or sits the turn out); a status if the job ended. ``active``: the transformers
         the group runs this step (`agree_handles`)."""
@@ -379,9 +416,11 @@ class RankLoop:
         with self._writes:
             self._held.append(_Held(final, frames, fps))
             self._writes.notify_all()
-        return replace(final, outcome="rendered")
+        return Rendered(rank=self.rank, job_id=final.job_id, attempt_token=final.attempt_token,
+                        num_inference_steps=final.num_inference_steps,
+                        compute_seconds=final.compute_seconds)
 
-    def written(self, wait: float = 0.0) -> list[RankStatus]:
+    def written(self, wait: float = 0.0) -> list[Ended]:
         """Final statuses of the jobs whose files were stored (or could not be written) since
         the last call; waits up to ``wait`` seconds for one while any is held."""
         with self._writes:
@@ -414,7 +453,7 @@ class RankLoop:
                 if self._closing:
                     return
                 held = self._held[0]
-            job_id = held.final.job_id or ""
+            job_id = held.final.job_id
             try:
                 video, thumb = self.write(held.frames, job_id, held.fps)
             except OSError as exc:
@@ -512,7 +551,7 @@ class RankLoop:
             self._checkpointer.join(timeout=CLOSE_WAIT_SECONDS)
         if given_up:
             log.warning("rank %d: leaving with %d job(s) whose files were not stored: %s",
-                        self.rank, len(given_up), ", ".join(h.final.job_id or "" for h in given_up))
+                        self.rank, len(given_up), ", ".join(h.final.job_id for h in given_up))
         close = getattr(self.write, "close", None)
         if close is not None:
             close()
@@ -521,10 +560,14 @@ class RankLoop:
     def _job_id(self) -> str | None:
         return self.ticket.job_id if self.ticket else None
 
-    def _end(self, job: _Job, *, keep_checkpoint: bool = False, **kwargs: Any) -> RankStatus:
+    def _end(self, job: _Job, *, keep_checkpoint: bool = False, **kwargs: Any) -> Ended:
         """Lets go of ``job``: its status with ``kwargs``; its preview and (unless kept for the
         next attempt) its checkpoint are deleted by their threads."""
-        status = self._status_of(job.ticket, job, **kwargs)
+        s = job.state
+        status = Ended(rank=self.rank, job_id=job.ticket.job_id,
+                       attempt_token=job.ticket.attempt_token, step=s.step_index,
+                       num_inference_steps=s.num_inference_steps,
+                       compute_seconds=job.compute_seconds, **kwargs)
         job_id = job.ticket.job_id
         with self._writes:
             if self.preview_every_steps:
@@ -542,19 +585,14 @@ class RankLoop:
             self.current = None
         return status
 
-    def _status_of(self, ticket: Ticket, job: _Job | None, **kwargs: Any) -> RankStatus:
-        s = job.state if job else None
-        return RankStatus(rank=self.rank, job_id=ticket.job_id,
-                          attempt_token=ticket.attempt_token,
-                          step=s.step_index if s else 0,
-                          num_inference_steps=s.num_inference_steps if s else 0,
-                          compute_seconds=job.compute_seconds if job else 0.0,
-                          resumed_from_step=job.resumed_from_step if job else None, **kwargs)
-
-    def progress(self) -> list[RankStatus]:
-        """Every held job's step count (no outcome yet); ``computed``: whether it ran this
-        turn."""
-        return [self._status_of(j.ticket, j, computed=j is self.current) for j in self.jobs]
+    def progress(self) -> list[Progress]:
+        """Every held job's place after the turn."""
+        return [Progress(rank=self.rank, job_id=j.ticket.job_id,
+                         attempt_token=j.ticket.attempt_token, step=j.state.step_index,
+                         num_inference_steps=j.state.num_inference_steps,
+                         compute_seconds=j.compute_seconds, resumed_from_step=j.resumed_from_step,
+                         computed=j is self.current)
+                for j in self.jobs]
 
     # Checkpoints of the jobs' denoising states.
     def _checkpoint_due(self, job: _Job) -> bool:
@@ -630,12 +668,12 @@ class RankLoop:
                     log.warning("rank %d: job %s's checkpoint not deleted: %s", self.rank,
                                 job_id, _one_line(exc))
 
-    def report(self) -> RankStatus:
+    def report(self) -> RankReport:
         """This rank's own status for the turn: memory, whether it takes a new job, and the
         storage's error while its writes keep failing."""
         with self._writes:
             held, error = len(self._held), self.store_error
-        return RankStatus(rank=self.rank, memory=self.memory(), store_error=error,
+        return RankReport(rank=self.rank, memory=self.memory(), store_error=error,
                           takes_jobs=held < self.max_held_jobs)
 
     def memory(self) -> dict[str, Any]:
@@ -665,7 +703,7 @@ def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
              stop_event: Any = None) -> None:
     """Turns until the driver says stop. ``driver``: rank 0's (None on the other ranks);
     ``stop_event``: set when the group is asked to stop after its running jobs."""
-    # Plans and statuses are small Python objects: a gloo group carries them on every platform.
+    # Plans and messages are small Python objects: a gloo group carries them on every platform.
     control = dist.new_group(backend="gloo") if loop.platform.is_accelerator else dist.group.WORLD
     if driver is not None:
         driver.start(loop.memory())
@@ -684,21 +722,21 @@ def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
                 loop.checkpoint_all()
                 dist.barrier(group=control)
                 break
-            statuses = loop.apply(plan)
+            messages: list[RankMessage] = list(loop.apply(plan))
             if plan.step:
                 # Every rank, in step: which transformers some rank's job runs this step (a
                 # rank that sits the turn out needs none).
                 active = agree_handles(loop.pipe, loop.state, group=control)
                 ended = loop.step(active)
                 if ended is not None:
-                    statuses.append(ended)
+                    messages.append(ended)
             # Files stored meanwhile; a turn without a step waits a little for them.
-            statuses.extend(loop.written(wait=0.0 if plan.step else WRITE_WAIT_SECONDS))
+            messages.extend(loop.written(wait=0.0 if plan.step else WRITE_WAIT_SECONDS))
             if loop.leads:
-                statuses.extend(loop.progress())
-            statuses.append(loop.report())
+                messages.extend(loop.progress())
+            messages.append(loop.report())
             gathered: list[Any] = [None] * world if rank == 0 else []
-            dist.gather_object(statuses, gathered if rank == 0 else None, dst=0, group=control)
+            dist.gather_object(messages, gathered if rank == 0 else None, dst=0, group=control)
             if driver is not None:
                 driver.record([st for per_rank in gathered for st in per_rank])
         failed = False

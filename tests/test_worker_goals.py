@@ -24,8 +24,8 @@ from servers import Service, api_client, job_row, serving_api, wait_job, worker_
 
 from common.families import TINY_MODEL
 from common.settings import Settings
-from kiln import worker
-from kiln.worker import Coordinator, WorkerConfig
+from kiln import group_io
+from kiln.worker import WorkerConfig, make_coordinator
 from runtime.sequence import Layout
 from scheduler.policy import LATENCY, THROUGHPUT
 from storage.workers import GroupReport
@@ -48,20 +48,19 @@ def test_a_group_reports_its_goal_and_claims_the_class_it_prefers(
         monkeypatch: pytest.MonkeyPatch, layout: Layout, goal: str | None, serves: str,
         prefer: str) -> None:
     asked: list[str] = []
-    monkeypatch.setattr(worker, "claim_for_group",
+    monkeypatch.setattr(group_io, "claim_for_group",
                         lambda *args, **kwargs: asked.append(kwargs["prefer"]) or [])
     reports: list[GroupReport] = []
     settings = Settings(_env_file=None, database_url="sqlite://",  # type: ignore[call-arg]
                         redis_url="redis://127.0.0.1:6379/0")
-    coordinator = Coordinator(settings, WorkerConfig(dp=layout.dp, sp=layout.sp, goal=goal),
-                              layout, "allgather", "cpu", notify=lambda *_: None,
-                              report=lambda _, report: reports.append(report))
+    coordinator = make_coordinator(settings, WorkerConfig(dp=layout.dp, sp=layout.sp, goal=goal),
+                                   layout, "cpu", notify=lambda *_: None,
+                                   report=lambda _, report: reports.append(report))
     try:
         coordinator.report([])
         assert coordinator._claim(list(layout.leaders)) == {}
     finally:
-        coordinator.redis.close()
-        coordinator.sessions.kw["bind"].dispose()
+        coordinator.io.close()
     assert [r.goal for r in reports] == [serves]
     assert asked == [prefer]
 

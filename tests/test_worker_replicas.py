@@ -18,7 +18,17 @@ from servers import Service, api_client, job_row, running_service, wait_job
 from common.families import TINY_MODEL
 from runtime.pipelines.base import VideoRequest
 from runtime.platform import get_platform
-from runtime.rank_loop import RankLoop, RankStatus, StepPlan, Ticket, run_loop
+from runtime.rank_loop import (
+    Ended,
+    Progress,
+    RankLoop,
+    RankMessage,
+    RankReport,
+    Rendered,
+    StepPlan,
+    Ticket,
+    run_loop,
+)
 from runtime.render import frames_to_uint8, load_pipeline
 from runtime.sequence import Layout, open_sequence
 from storage.video import write_outputs
@@ -34,12 +44,24 @@ NEXT = VideoRequest(prompt="the next one", width=64, height=64, num_frames=5,
 CANCEL_AFTER = 3  # steps of LONG before the cancel
 
 
+def _row(m: RankMessage) -> dict[str, Any]:
+    """A rank's message as a plain row: its job (None for a rank's own report), its step, and
+    its outcome (None while the job runs; "rendered" before its files are stored)."""
+    outcome = ("rendered" if isinstance(m, Rendered) else m.outcome if isinstance(m, Ended)
+               else None)
+    return {"rank": m.rank, "job_id": None if isinstance(m, RankReport) else m.job_id,
+            "step": m.step if isinstance(m, Progress | Ended) else None, "outcome": outcome,
+            "held": m.memory.get("job_id", "-") if isinstance(m, RankReport) and m.memory
+            else "-"}
+
+
 class ScriptedDriver:
     """Rank 0's driver: LONG on the replica, then a cancel of it after ``CANCEL_AFTER`` steps
-    with NEXT given in the same plan; stops once NEXT is stored. Keeps every turn's statuses."""
+    with NEXT given in the same plan; stops once NEXT is stored. Keeps every turn's messages,
+    as rows."""
 
     def __init__(self) -> None:
-        self.turns: list[list[RankStatus]] = []
+        self.turns: list[list[dict[str, Any]]] = []
         self.sent_long = self.cancelled = self.done = False
 
     def start(self, memory: dict[str, Any]) -> None:
@@ -52,20 +74,21 @@ class ScriptedDriver:
             self.sent_long = True
             return StepPlan(assign={0: Ticket(job_id="long", attempt_token="t1", request=LONG)},
                             step=True)
-        steps = [st.step for turn in self.turns for st in turn
-                 if st.job_id == "long" and st.outcome is None]
+        steps = [st["step"] for turn in self.turns for st in turn
+                 if st["job_id"] == "long" and st["outcome"] is None]
         if not self.cancelled and steps and steps[-1] >= CANCEL_AFTER:
             self.cancelled = True
             return StepPlan(drop={"long": "cancelled by the user"},
                             assign={0: Ticket(job_id="next", attempt_token="t2", request=NEXT)},
                             step=True)
-        rendered = any(st.job_id == "next" and st.outcome == "rendered"
+        rendered = any(st["job_id"] == "next" and st["outcome"] == "rendered"
                        for turn in self.turns for st in turn)
         return StepPlan(step=not rendered)
 
-    def record(self, statuses: list[RankStatus]) -> None:
-        self.turns.append(statuses)
-        self.done = any(st.job_id == "next" and st.outcome == "succeeded" for st in statuses)
+    def record(self, messages: list[RankMessage]) -> None:
+        self.turns.append([_row(m) for m in messages])
+        self.done = any(st["job_id"] == "next" and st["outcome"] == "succeeded"
+                        for st in self.turns[-1])
 
     def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
         pass
@@ -88,9 +111,7 @@ def _scripted_replica(rank: int, world: int) -> list[list[dict[str, Any]]] | Non
     if driver is None:
         assert not written, "only the leader stores the replica's videos"
         return None
-    return [[{"rank": st.rank, "job_id": st.job_id, "step": st.step, "outcome": st.outcome,
-              "held": st.memory.get("job_id", "-") if st.memory else "-"} for st in turn]
-            for turn in driver.turns]
+    return driver.turns
 
 
 def test_a_replica_reports_each_step_once_and_a_cancel_ends_its_job_on_both_ranks() -> None:

@@ -24,7 +24,15 @@ from safetensors.torch import save as save_tensors
 from common.families import TINY_MODEL
 from runtime.pipelines.base import VideoRequest
 from runtime.platform import get_platform
-from runtime.rank_loop import RankLoop, RankStatus, StepPlan, Ticket, run_loop
+from runtime.rank_loop import (
+    Ended,
+    Progress,
+    RankLoop,
+    RankMessage,
+    StepPlan,
+    Ticket,
+    run_loop,
+)
 from runtime.render import frames_to_uint8, load_pipeline
 from runtime.resume import model_fingerprint, snapshot
 from runtime.sequence import Layout, open_sequence
@@ -66,7 +74,7 @@ class Script:
         self.turn = 0
         self.steps: dict[str, int] = {}
         self.stored: set[str] = set()
-        self.statuses: list[RankStatus] = []
+        self.messages: list[Progress | Ended] = []
         self.handed_back = self.reassigned = self.sent_c = False
 
     def start(self, memory: dict[str, Any]) -> None:
@@ -94,15 +102,14 @@ class Script:
             plan.assign[1] = Ticket(job_id="a", attempt_token="a2", request=REQUESTS["a"])
         return plan
 
-    def record(self, statuses: list[RankStatus]) -> None:
-        for st in statuses:
-            if st.job_id is None:
-                continue
-            self.statuses.append(st)
-            if st.outcome is None and st.computed:
-                self.steps[st.job_id] = st.step
-            if st.outcome == "succeeded":
-                self.stored.add(st.job_id)
+    def record(self, messages: list[RankMessage]) -> None:
+        for m in messages:
+            if isinstance(m, Progress | Ended):
+                self.messages.append(m)
+            if isinstance(m, Progress) and m.computed:
+                self.steps[m.job_id] = m.step
+            if isinstance(m, Ended) and m.outcome == "succeeded":
+                self.stored.add(m.job_id)
 
     def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
         pass
@@ -126,9 +133,11 @@ def _rank(rank: int, world: int, out: str) -> list[dict[str, Any]] | None:
     run_loop(rank, world, loop, script)
     if script is None:
         return None
-    return [{"job_id": st.job_id, "token": st.attempt_token, "step": st.step,
-             "outcome": st.outcome, "computed": st.computed,
-             "resumed_from_step": st.resumed_from_step} for st in script.statuses]
+    return [{"job_id": m.job_id, "token": m.attempt_token, "step": m.step,
+             "outcome": m.outcome if isinstance(m, Ended) else None,
+             "computed": isinstance(m, Progress) and m.computed,
+             "resumed_from_step": m.resumed_from_step if isinstance(m, Progress) else None}
+            for m in script.messages]
 
 
 def test_paused_suspended_and_resumed_jobs_render_the_frames_of_an_uninterrupted_render(
@@ -192,7 +201,7 @@ class OneAfterAnother:
 
     def __init__(self) -> None:
         self.queue = list(REFUSALS)
-        self.statuses: list[RankStatus] = []
+        self.messages: list[Progress | Ended] = []
         self.busy = False
 
     def start(self, memory: dict[str, Any]) -> None:
@@ -208,11 +217,12 @@ class OneAfterAnother:
         return StepPlan(step=True, assign={0: Ticket(job_id=job_id, attempt_token=f"{job_id}-2",
                                                      request=REFUSED_REQUEST)})
 
-    def record(self, statuses: list[RankStatus]) -> None:
-        for st in statuses:
-            if st.job_id is not None:
-                self.statuses.append(st)
-                self.busy &= st.outcome != "succeeded"
+    def record(self, messages: list[RankMessage]) -> None:
+        for m in messages:
+            if isinstance(m, Progress | Ended):
+                self.messages.append(m)
+            if isinstance(m, Ended) and m.outcome == "succeeded":
+                self.busy = False
 
     def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
         pass
@@ -243,8 +253,9 @@ def _refusing_rank(rank: int, world: int, out: str) -> dict[str, Any]:
     script = OneAfterAnother()
     run_loop(rank, world, loop, script)
     return {"warnings": warnings,
-            "statuses": [(st.job_id, st.outcome, st.step, st.resumed_from_step)
-                         for st in script.statuses]}
+            "statuses": [(m.job_id, m.outcome if isinstance(m, Ended) else None, m.step,
+                          m.resumed_from_step if isinstance(m, Progress) else None)
+                         for m in script.messages]}
 
 
 def test_a_rank_refuses_a_foreign_truncated_or_older_checkpoint_and_renders_from_step_0(

@@ -18,7 +18,7 @@ import torch
 from runtime import rank_loop
 from runtime.pipelines.base import DenoiseState, VideoRequest
 from runtime.pipelines.tiny import TinyPipeline
-from runtime.rank_loop import RankLoop, RankStatus, StepPlan, Ticket
+from runtime.rank_loop import Ended, RankLoop, Rendered, StepPlan, Ticket
 from runtime.sequence import SOLO, Layout
 
 STEPS = 2
@@ -107,7 +107,7 @@ def loop(write: FlakyWrite) -> Iterator[RankLoop]:
     loop.close()
 
 
-def _render(loop: RankLoop, job_id: str) -> RankStatus:
+def _render(loop: RankLoop, job_id: str) -> Rendered | Ended:
     """Starts ``job_id`` on ``loop`` and steps it to the end; the status it ended with."""
     ticket = Ticket(job_id=job_id, attempt_token=f"t-{job_id}",
                     request=VideoRequest(prompt=job_id, seed=1, width=64, height=64,
@@ -120,10 +120,10 @@ def _render(loop: RankLoop, job_id: str) -> RankStatus:
     return ended
 
 
-def _collect(loop: RankLoop, n: int, timeout: float = 10) -> list[RankStatus]:
+def _collect(loop: RankLoop, n: int, timeout: float = 10) -> list[Ended]:
     """The next ``n`` final statuses the writer thread reports."""
     deadline = time.monotonic() + timeout
-    got: list[RankStatus] = []
+    got: list[Ended] = []
     while len(got) < n:
         assert time.monotonic() < deadline, got
         got += loop.written(wait=0.1)
@@ -139,7 +139,7 @@ def _until(what: Any, timeout: float = 10) -> None:
 
 def test_a_refused_write_is_tried_again_until_stored_and_never_rendered_again(
         loop: RankLoop, write: FlakyWrite) -> None:
-    assert _render(loop, "a").outcome == "rendered"
+    assert isinstance(_render(loop, "a"), Rendered)
     _until(lambda: write.tries("a") >= 3)  # 0.05 s, 0.1 s, 0.2 s apart
     report = loop.report()
     assert report.store_error == "OSError: [Errno 28] No space left on device"
@@ -253,7 +253,7 @@ def tiny_pipe() -> Any:
     return TinyPipeline.load(offload=False)
 
 
-def _tiny_job(loop: RankLoop, job_id: str, between: Any = None) -> RankStatus:
+def _tiny_job(loop: RankLoop, job_id: str, between: Any = None) -> Rendered | Ended:
     """Runs ``job_id`` (TINY_REQUEST) on ``loop``; ``between(step)`` after each step but the
     last; the status it ended with."""
     loop.apply(StepPlan(assign={0: Ticket(job_id=job_id, attempt_token=f"t-{job_id}",
@@ -275,7 +275,7 @@ def test_the_leader_stores_a_kiln_tiny_preview_every_n_steps_and_drops_it_at_the
         def caught_up(step: int) -> None:  # the thread keeps only the newest: see each one
             _until(lambda: write.steps() == list(range(2, step + 1, 2)))
 
-        assert _tiny_job(loop, "p", caught_up).outcome == "rendered"
+        assert isinstance(_tiny_job(loop, "p", caught_up), Rendered)
         [done] = _collect(loop, 1)
         assert done.outcome == "succeeded"
         _until(lambda: write.dropped == ["p"])

@@ -16,10 +16,11 @@ from standardwebhooks import Webhook, WebhookVerificationError
 from task_helpers import SECRET, fail, submit
 
 from api.schemas import JobCreate
-from kiln import signing, worker
+from kiln import group_io, signing
+from kiln.coordinator import Coordinator
 from kiln.tasks import Context, deliver, deliver_live, progress_event, sweep
-from kiln.worker import Coordinator, WorkerConfig
-from runtime.rank_loop import RankStatus
+from kiln.worker import WorkerConfig, make_coordinator
+from runtime.rank_loop import Ended, Progress
 from runtime.sequence import Layout
 from storage import lifecycle, webhooks
 from storage.outputs import video_key
@@ -38,11 +39,10 @@ def coordinator(ctx: Context) -> Iterator[Coordinator]:
         # What the kiln.deliver_event task does, run here and now.
         assert deliver_live(ctx.settings, url, msg_id, kind, body).state == "delivered"
 
-    c = Coordinator(ctx.settings, WorkerConfig(), Layout(), "allgather", "cpu",
-                    notify=lambda session, job_id: None, send_event=send_now)
+    c = make_coordinator(ctx.settings, WorkerConfig(), Layout(), "cpu",
+                         notify=lambda session, job_id: None, send_event=send_now)
     yield c
-    c.redis.close()
-    c.sessions.kw["bind"].dispose()
+    c.io.close()
 
 
 def run_job(ctx: Context, c: Coordinator, job_id: str, steps: int) -> None:
@@ -53,19 +53,18 @@ def run_job(ctx: Context, c: Coordinator, job_id: str, steps: int) -> None:
                                     lease_seconds=600)
         assert claim is not None
         c.attempt_numbers[claim.attempt_token] = claim.job.attempts
-        c.note_started(claim.job)
+        c.io.started(claim.job)
     for step in range(1, steps + 1):
-        c.record([RankStatus(rank=0, job_id=job_id, attempt_token=claim.attempt_token,
-                             step=step, num_inference_steps=steps)])
-    c.record([RankStatus(rank=0, job_id=job_id, attempt_token=claim.attempt_token, step=steps,
-                         num_inference_steps=steps, outcome="succeeded",
-                         video_key=video_key(job_id))])
+        c.record([Progress(rank=0, job_id=job_id, attempt_token=claim.attempt_token,
+                           step=step, num_inference_steps=steps)])
+    c.record([Ended(rank=0, job_id=job_id, attempt_token=claim.attempt_token, step=steps,
+                    num_inference_steps=steps, outcome="succeeded", video_key=video_key(job_id))])
     deliver(ctx, job_id)
 
 
 def test_a_job_gets_its_events_in_order_each_verified_by_the_library(
         ctx: Context, coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker, "PROGRESS_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(group_io, "PROGRESS_EVERY_SECONDS", 0.0)
     with Receiver() as receiver:
         with ctx.sessions() as s:
             job_id = submit(s, webhook_url=receiver.url, num_inference_steps=3,
@@ -128,7 +127,7 @@ def test_a_receiver_answering_500_twice_gets_the_event_on_the_third_try(ctx: Con
 
 def test_the_filter_drops_the_events_not_asked_for(
         ctx: Context, coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker, "PROGRESS_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(group_io, "PROGRESS_EVERY_SECONDS", 0.0)
     with Receiver() as receiver:
         with ctx.sessions() as s:
             wanted = submit(s, webhook_url=receiver.url, webhook_events=["job.succeeded"]).id

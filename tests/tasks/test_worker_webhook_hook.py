@@ -12,8 +12,8 @@ from task_helpers import make_settings, submit
 from common.settings import get_settings
 from kiln import tasks
 from kiln.tasks import Context
-from kiln.worker import Coordinator, WorkerConfig
-from runtime.rank_loop import RankStatus
+from kiln.worker import WorkerConfig, make_coordinator
+from runtime.rank_loop import Ended
 from runtime.sequence import Layout
 from storage import lifecycle
 from storage.outputs import video_key
@@ -32,16 +32,15 @@ def test_finishing_a_job_with_a_webhook_enqueues_its_delivery_and_others_enqueue
             assert claim is not None
             tokens[job_id] = claim.attempt_token
     tasks.configure(settings)
-    coordinator = Coordinator(settings, WorkerConfig(), Layout(), "allgather", "cpu")
+    coordinator = make_coordinator(settings, WorkerConfig(), Layout(), "cpu")
     try:
         coordinator.record([
-            RankStatus(rank=0, job_id=job_id, attempt_token=tokens[job_id], step=4,
-                       num_inference_steps=4, outcome="succeeded", video_key=video_key(job_id))
+            Ended(rank=0, job_id=job_id, attempt_token=tokens[job_id], step=4,
+                  num_inference_steps=4, outcome="succeeded", video_key=video_key(job_id))
             for job_id in (hooked, plain)])
     finally:
         tasks.configure(get_settings())
-        coordinator.redis.close()
-        coordinator.sessions.kw["bind"].dispose()
+        coordinator.io.close()
 
     with ctx.sessions() as s:
         assert {s.get(Job, j).state for j in (hooked, plain)} == {"succeeded"}  # type: ignore[union-attr]

@@ -1,0 +1,276 @@
+"""What the worker group's coordinator asks of the servers, behind one interface.
+
+`GroupIO` is every call rank 0's `kiln.coordinator.Coordinator` makes outside its own memory:
+claims and the queue's wake-ups, heartbeats, the ends of attempts, job events, learned costs,
+the group's report and the live webhooks. `ServerIO` makes those calls against PostgreSQL (or
+SQLite), Redis and the webhook queue; the coordinator's tests hand in one that keeps everything
+in memory. A call whose server is out raises that server's own error
+(`storage.outages.is_outage` tells an outage apart); what an outage means for the group is the
+coordinator's decision, not this module's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from redis import Redis, RedisError
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from common.settings import Settings
+from runtime.pipelines.base import VideoRequest
+from runtime.rank_loop import Ticket
+from scheduler import queue_index
+from scheduler.attempts import Ending, finish_attempt
+from scheduler.claim import claim_for_group, job_tokens, load_costs, record_result
+from scheduler.cost import CostModel
+from scheduler.policy import INTERACTIVE, RunningJob
+from storage import lifecycle, queries
+from storage.db import make_engine, make_session_factory
+from storage.lifecycle import Beat
+from storage.outages import describe, is_outage
+from storage.tables import Job
+from storage.webhooks import LIVE_EVENTS
+from storage.workers import GroupReport, report_group
+
+log = logging.getLogger(__name__)
+
+# A job that asked for job.progress gets one at most this often (kept in memory on rank 0).
+PROGRESS_EVERY_SECONDS = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A job the group has just claimed for one of its replicas."""
+
+    replica: int  # the replica's first rank
+    ticket: Ticket
+    job_class: str
+    model: str
+    tokens: int  # its token count, for the cost model's estimate of a step
+    attempt: int  # its attempt number (1 for a first claim)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """An attempt the database says runs under this group's id."""
+
+    job_id: str
+    token: str
+    attempt: int
+    rank: int | None
+
+
+# What a job's event records: its step when it was suspended, continued or resumed.
+NOTES = {"preempted": lifecycle.note_preempted, "continued": lifecycle.note_continued,
+         "resumed": lifecycle.note_resumed}
+
+
+class GroupIO(Protocol):
+    """The coordinator's calls to the servers; each raises its server's error while it is out."""
+
+    def claim(self, free: Sequence[int], running: Sequence[RunningJob], *, prefer: str,
+              job_class: str | None) -> list[Claimed]:
+        """Queued jobs claimed for the ``free`` replicas (``job_class``: that class only)."""
+
+    def interactive_due(self) -> bool:
+        """Whether an interactive job for this group's model is due in the queue."""
+
+    def wait_for_work(self, seconds: float) -> None:
+        """Up to ``seconds``, cut short when a submission announces work."""
+
+    def costs(self) -> CostModel:
+        """The learned cost model of the group's layout."""
+
+    def heartbeat(self, job_id: str, token: str, *, step: int | None = None,
+                  num_inference_steps: int | None = None) -> Beat | None:
+        """Renews the attempt's lease (and records its step); None if it is not current."""
+
+    def finish(self, job_id: str, token: str, ending: Ending) -> str | None:
+        """Ends the attempt; the job's state after it, or None if the attempt was not current."""
+
+    def note(self, event: str, job_id: str, token: str, **fields: Any) -> None:
+        """A job's event beside its render: ``preempted``, ``continued`` or ``resumed``."""
+
+    def learn_cost(self, job_id: str, num_inference_steps: int, compute_seconds: float) -> None:
+        """Teaches the cost model a finished job's own step time (best effort)."""
+
+    def report(self, report: GroupReport) -> None:
+        """Records the group's state for ``/v1/workers``."""
+
+    def attempts(self) -> list[Attempt]:
+        """The attempts the database holds as running under this group's id."""
+
+    def progress(self, job_id: str, attempt: int | None, step: int, steps: int) -> None:
+        """job.progress for a job that asked for it, at most every PROGRESS_EVERY_SECONDS."""
+
+    def forget(self, job_id: str) -> None:
+        """The job's attempt here is over: no more live events for it."""
+
+    def close(self) -> None:
+        """Closes the connections."""
+
+
+class ServerIO:
+    """`GroupIO` against the servers of ``settings``: the database, Redis, the webhook queue.
+
+    ``notify(session, job_id)``: called after a job's final state is committed (default: the
+    webhook enqueue, `kiln.tasks.enqueue_job_finished`); ``report(session, report)``: records
+    the group's state; ``send_event(url, msg_id, kind, body)``: enqueues a live webhook.
+    """
+
+    def __init__(self, settings: Settings, *, group_id: str, model: str, sp: int,
+                 notify: Callable[[Session, str], object] | None = None,
+                 report: Callable[[Session, GroupReport], object] = report_group,
+                 send_event: Callable[[str, str, str, bytes], object] | None = None) -> None:
+        if not settings.redis_url:
+            raise ValueError("the worker needs REDIS_URL (kiln up sets it for its children)")
+        if notify is None:
+            # Here, not at the top: Celery (20 MiB a process) loads on rank 0 only, the one
+            # rank that enqueues webhooks.
+            from kiln.tasks import enqueue_job_finished
+
+            notify = enqueue_job_finished
+        if send_event is None:
+            from kiln.tasks import enqueue_event  # here: Celery loads on rank 0 only
+
+            send_event = enqueue_event
+        self.settings = settings
+        self.prefix = settings.redis_prefix
+        self.group_id = group_id
+        self.model = model
+        self.sp = sp
+        self.notify = notify
+        self.send_event = send_event
+        self._report = report
+        self.sessions = make_session_factory(make_engine(settings.database_url))
+        self.redis = Redis.from_url(settings.redis_url)
+        # The live webhooks of the jobs that asked for them: job id -> (url, events), known
+        # from their claim; and when each last had a job.progress (monotonic).
+        self.live_hooks: dict[str, tuple[str, frozenset[str]]] = {}
+        self._last_progress: dict[str, float] = {}
+
+    # The queue.
+    def claim(self, free: Sequence[int], running: Sequence[RunningJob], *, prefer: str,
+              job_class: str | None) -> list[Claimed]:
+        with self.sessions() as session:
+            claims = claim_for_group(
+                session, self.redis, prefix=self.prefix, group_id=self.group_id,
+                model=self.model, free_ranks=free, running=running,
+                lease_seconds=self.settings.lease_seconds, sp=self.sp, prefer=prefer,
+                job_class=job_class)
+        out = []
+        for replica, claim in claims:
+            job = claim.job
+            claimed = Claimed(replica=replica, job_class=job.class_, model=job.model,
+                              tokens=job_tokens(job), attempt=job.attempts,
+                              ticket=Ticket(job_id=job.id, attempt_token=claim.attempt_token,
+                                            request=VideoRequest.of(job)))
+            out.append(claimed)
+            self.started(job)
+        return out
+
+    def interactive_due(self) -> bool:
+        return queue_index.has_due(self.redis, self.prefix, self.model, INTERACTIVE, time.time())
+
+    def wait_for_work(self, seconds: float) -> None:
+        try:
+            queue_index.wait_for_work(self.redis, self.prefix, seconds)
+        except RedisError:
+            time.sleep(seconds)  # the claim that follows reports the outage
+
+    def costs(self) -> CostModel:
+        """The learned costs of this group's layout; the default guess while Redis is out."""
+        try:
+            return load_costs(self.redis, self.prefix, self.sp)
+        except RedisError:
+            return CostModel(sp=self.sp)
+
+    # The attempts.
+    def heartbeat(self, job_id: str, token: str, *, step: int | None = None,
+                  num_inference_steps: int | None = None) -> Beat | None:
+        with self.sessions() as session:
+            return lifecycle.heartbeat(session, job_id, token, step=step,
+                                       num_inference_steps=num_inference_steps,
+                                       lease_seconds=self.settings.lease_seconds)
+
+    def finish(self, job_id: str, token: str, ending: Ending) -> str | None:
+        # The webhook goes out after the commit rather than at the next sweep (best effort:
+        # ``notify`` never raises).
+        with self.sessions() as session:
+            return finish_attempt(session, self.redis, self.prefix, job_id, token, ending,
+                                  notify=self.notify)
+
+    def note(self, event: str, job_id: str, token: str, **fields: Any) -> None:
+        with self.sessions() as session:
+            NOTES[event](session, job_id, token, **fields)
+
+    def learn_cost(self, job_id: str, num_inference_steps: int, compute_seconds: float) -> None:
+        """At this group's layout: a step split over sp ranks costs otherwise than one on a
+        single rank."""
+        try:
+            with self.sessions() as session:
+                job = session.get(Job, job_id)
+        except SQLAlchemyError as exc:  # best effort: the next jobs teach the cost as well
+            log.warning("could not learn the cost of job %s: %s", job_id,
+                        describe(exc) if is_outage(exc) else repr(exc))
+            return
+        if job is None:
+            return
+        try:
+            record_result(self.redis, prefix=self.prefix, job_id=job.id, model=job.model,
+                          num_tokens=job_tokens(job), num_inference_steps=num_inference_steps,
+                          render_seconds=compute_seconds, sp=self.sp)
+        except RedisError:
+            log.warning("could not record the cost of job %s", job.id, exc_info=True)
+
+    def report(self, report: GroupReport) -> None:
+        with self.sessions() as session:
+            self._report(session, report)
+
+    def attempts(self) -> list[Attempt]:
+        with self.sessions() as session:
+            rows = queries.running_jobs_by_group(session, [self.group_id])
+            return [Attempt(job_id=job.id, token=job.attempt_token, attempt=job.attempts,
+                            rank=job.rank)
+                    for job in rows.get(self.group_id, []) if job.attempt_token is not None]
+
+    # Live webhooks.
+    def started(self, job: Job) -> None:
+        """After a claim's commit: remembers whether the job wants job.started / job.progress
+        (read from the claimed row, no further query) and sends job.started."""
+        events = frozenset(job.webhook_events or ()) & LIVE_EVENTS
+        if job.webhook_url is None or not events:
+            return
+        from kiln.tasks import started_event  # here: Celery loads on rank 0 only
+
+        self.live_hooks[job.id] = (job.webhook_url, events)
+        if "job.started" in events:
+            msg_id, body = started_event(job)
+            self.send_event(job.webhook_url, msg_id, "job.started", body)
+
+    def progress(self, job_id: str, attempt: int | None, step: int, steps: int) -> None:
+        hook = self.live_hooks.get(job_id)
+        if hook is None or "job.progress" not in hook[1]:
+            return
+        now = time.monotonic()
+        last = self._last_progress.get(job_id)
+        if last is not None and now - last < PROGRESS_EVERY_SECONDS:
+            return
+        from kiln.tasks import progress_event  # here: Celery loads on rank 0 only
+
+        self._last_progress[job_id] = now
+        msg_id, body = progress_event(job_id, attempt, step, steps)
+        self.send_event(hook[0], msg_id, "job.progress", body)
+
+    def forget(self, job_id: str) -> None:
+        self.live_hooks.pop(job_id, None)
+        self._last_progress.pop(job_id, None)
+
+    def close(self) -> None:
+        self.redis.close()
+        self.sessions.kw["bind"].dispose()
