@@ -21,7 +21,7 @@ run: install
 	$(BIN)/kiln up
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: install
 	$(BIN)/ruff check .
@@ -34,7 +34,9 @@ bench: install
 
 # The reliability soak (not part of `make test`): about 11 minutes on 2 cores; needs PostgreSQL
 # on 127.0.0.1:5432 and redis-server on PATH (it starts a private one). Then the worker group's
-# fault scenarios on both database backends (`make test` runs them on PostgreSQL): about 15 more.
+# fault scenarios on both database backends (`make test` runs them on PostgreSQL), with the
+# slowest ones `make test` leaves out (marked chaos): about 25 more.
 chaos: install
 	$(BIN)/python bench/chaos.py
-	KILN_FAULTS_ON_EVERY_BACKEND=1 $(BIN)/python -m pytest -q -m fault
+	KILN_CHAOS=1 KILN_FAULTS_ON_EVERY_BACKEND=1 $(BIN)/python -m pytest -q --durations=15 \
+		-m "fault or chaos"

@@ -9,7 +9,9 @@ keys afterwards.
 The worker group's fault scenarios (marked ``fault``: a rank, the launcher or the group killed or
 stopped, Redis, the database or the output store gone) run on PostgreSQL only in ``make test``,
 which keeps the suite's wall time in bounds on two cores; ``KILN_FAULTS_ON_EVERY_BACKEND=1`` (set
-by ``make chaos``) runs them on SQLite too. Everything else runs on both.
+by ``make chaos``) runs them on SQLite too. Everything else runs on both. The slowest scenarios
+(marked ``chaos``: each a minute or more of outages, long renders or a benchmark run) run only
+with ``KILN_CHAOS=1``, set by ``make chaos``.
 
 Servers: ``KILN_TEST_POSTGRES_URL`` (default postgresql+psycopg://postgres@127.0.0.1:5432/test)
 and ``KILN_TEST_REDIS_URL`` (default redis://127.0.0.1:6379/0). When one is unreachable its tests
@@ -57,13 +59,21 @@ class Database:
         return make_session_factory(self.engine)()
 
 
+def _chaos_only(item: pytest.Item) -> bool:
+    return item.get_closest_marker("chaos") is not None and not os.environ.get("KILN_CHAOS")
+
+
+def _postgres_only(item: pytest.Item) -> bool:
+    return (item.get_closest_marker("fault") is not None
+            and not os.environ.get("KILN_FAULTS_ON_EVERY_BACKEND")
+            and getattr(item, "callspec", None) is not None
+            and item.callspec.params.get("db") == "sqlite")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Fault scenarios on PostgreSQL only, unless KILN_FAULTS_ON_EVERY_BACKEND is set."""
-    if os.environ.get("KILN_FAULTS_ON_EVERY_BACKEND"):
-        return
-    dropped = [item for item in items if item.get_closest_marker("fault") is not None
-               and getattr(item, "callspec", None) is not None
-               and item.callspec.params.get("db") == "sqlite"]
+    """Fault scenarios on PostgreSQL only, unless KILN_FAULTS_ON_EVERY_BACKEND is set; the
+    slowest scenarios (marked ``chaos``) only with KILN_CHAOS set."""
+    dropped = [item for item in items if _chaos_only(item) or _postgres_only(item)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if item not in set(dropped)]

@@ -109,6 +109,7 @@ def _until(what: Any, timeout: float, group: Any) -> float:
     return time.monotonic() - began
 
 
+@pytest.mark.chaos  # a minute or more: `make chaos` runs it, `make test` does not
 def test_the_database_refusing_connections_for_30_s_pauses_the_group_then_it_resumes(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path,
         capfd: pytest.CaptureFixture[str]) -> None:
