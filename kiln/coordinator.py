@@ -359,13 +359,17 @@ class Coordinator:
             self.leases.hand_back(attempts)
 
     def _claim_into(self, plan: StepPlan) -> None:
-        """Claims jobs for the free replicas into ``plan.assign``; with none free, an
-        interactive job that is due is claimed for the replica whose batch job has the most
-        work left, which suspends that job in place (`scheduler.turns.preempt_target`)."""
+        """Claims jobs for the free replicas into ``plan.assign``; with none free, in a group
+        whose goal is latency (interactive jobs first), an interactive job that is due is
+        claimed for the replica whose batch job has the most work left, which suspends that job
+        in place (`scheduler.turns.preempt_target`). A throughput group serves batch work
+        first: it does not preempt it."""
         held = {h.replica for h in self.held.values()}
         free = [r for r in self.layout.leaders if r not in held and r not in self.full_ranks]
         job_class = None
         if not free:
+            if GOAL_PREFERS[self.goal] != INTERACTIVE:
+                return
             now = self.clock()
             target = preempt_target(
                 [h.held_job(now) for h in self.held.values()],

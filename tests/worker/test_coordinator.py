@@ -155,7 +155,8 @@ class MemoryIO:
 
 
 class Group:
-    """A coordinator and the replicas' side of each turn, played from its plans: every job
+    """A coordinator (a latency group unless ``goal`` says otherwise) and the replicas' side of
+    each turn, played from its plans: every job
     named in ``plan.run`` advances one step, taking ``step_seconds`` of the clock."""
 
     def __init__(self, dp: int = 2, **config: Any) -> None:
@@ -247,6 +248,17 @@ def test_a_due_interactive_job_preempts_the_batch_job_with_the_most_work_left() 
     continued = [n for n in g.io.notes if n[0] == "continued"]
     assert continued == [("continued", "long", {"step": 1})]
     assert [j for j, _, e in g.io.ended] == ["i"]
+
+
+def test_a_throughput_group_does_not_preempt_its_batch_work() -> None:
+    g = Group(dp=1, goal="throughput")
+    g.io.submit("a", steps=50)
+    g.turn()
+    g.io.submit("i", INTERACTIVE)
+    for _ in range(3):
+        plan = g.turn()
+        assert not plan.assign and plan.run == {0: "a"}
+    assert not [n for n in g.io.notes if n[0] == "preempted"]
 
 
 def test_no_preemption_when_no_interactive_job_is_due() -> None:
