@@ -4,6 +4,7 @@ charged for the outage, and the queue moves again by itself once the server is b
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from faults import PrivateRedis, TcpProxy
 from servers import Service, api_client, serving_api, worker_group
 from sqlalchemy import make_url, select
 
+from storage.outputs import checkpoint_key
 from storage.tables import Job
 
 # A group fault scenario: `make test` runs it on PostgreSQL, `make chaos` on SQLite as well
@@ -170,3 +172,60 @@ def test_the_database_refusing_connections_for_30_s_pauses_the_group_then_it_res
             sys.stderr.write(log)
             assert f"worker group {group_id}: the servers answer again; claims resume" in log
         _rendered_once_and_uncharged(rows)
+
+
+# A job long enough to run through a 10 s outage: kiln-tiny at 256x256, 9 frames, ~0.13 s a
+# step on a CPU rank: ~25 s in all, checkpointed every 10 steps (~1.3 s apart).
+THROUGH = {**JOB, "prompt": "through the outage", "width": 256, "height": 256, "seed": 3,
+           "num_inference_steps": 200}
+CHECKPOINT_EVERY = 10
+
+
+@pytest.mark.parametrize("server", ["redis", "database"])
+def test_a_job_rendering_through_a_10_s_outage_keeps_checkpointing_and_ends_once(
+        db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path, server: str) -> None:
+    """Checkpoints go to the output store, not to the server that is out: they go on being
+    written through a 10 s outage of Redis or of the database, the job is not failed by it, and
+    it ends once, uncharged, its checkpoint deleted."""
+    if server == "database" and db.backend != "postgresql":
+        pytest.skip("a SQLite file cannot refuse connections")
+    url = make_url(db.url)
+    with contextlib.ExitStack() as stack:
+        overrides: dict[str, Any] = {}
+        if server == "redis":
+            private = stack.enter_context(PrivateRedis(tmp_path / "redis"))
+            client_redis = stack.enter_context(
+                redis.Redis.from_url(private.url, socket_timeout=5))
+            overrides["redis_url"] = private.url
+        else:
+            proxy = stack.enter_context(TcpProxy(url.host or "127.0.0.1", url.port or 5432))
+            client_redis = redis_client
+        service = stack.enter_context(serving_api(db, client_redis, redis_prefix, tmp_path,
+                                                  users=("alice",), **overrides))
+        worker_overrides = {"checkpoint_every_steps": CHECKPOINT_EVERY,
+                            "checkpoint_every_seconds": 0}
+        if server == "database":
+            # The worker reaches the database through the proxy; the test does not.
+            worker_overrides["database_url"] = url.set(
+                host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        group = stack.enter_context(worker_group(service, dp=1, **worker_overrides))
+        client = stack.enter_context(api_client(service))
+        r = client.post("/v1/jobs", json=THROUGH)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        checkpoint = Path(service.settings.output_dir) / checkpoint_key(job_id)
+        _until(lambda: checkpoint.exists(), 60, group)
+        (private.kill if server == "redis" else proxy.refuse)()
+        out = time.monotonic()
+        written = {checkpoint.stat().st_mtime_ns}
+        while time.monotonic() - out < 10:
+            if checkpoint.exists():
+                written.add(checkpoint.stat().st_mtime_ns)
+            time.sleep(0.2)
+        assert group.poll() is None, "the group survived the outage"
+        (private.start if server == "redis" else proxy.accept)()
+        [row] = _wait_all(service, [job_id], group, timeout=60)
+        # The checkpoints kept coming while the server was out (one every ~1.3 s).
+        assert len(written) >= 3, written
+    _rendered_once_and_uncharged([row])
+    assert not checkpoint.exists(), "the checkpoint outlives its job"
