@@ -277,6 +277,11 @@ class RankLoop:
         self.model_fingerprint = model_fingerprint
         self._to_checkpoint: dict[str, bytes] = {}  # job id -> newest blob, under ``_writes``
         self._checkpoints_ended: list[str] = []  # jobs whose checkpoint is to be deleted
+        # Jobs whose step failed this turn: their checkpoints are deleted once the turn's
+        # messages have reached rank 0 (`reported`). A step fails too when a peer of the rank
+        # died under its collectives; the group then fails before it reports, and the
+        # checkpoint stays for the attempt the launcher gives the job next.
+        self._failed_steps: list[str] = []
         # The writer thread's work, under ``_writes``: finished jobs whose files it is storing
         # (oldest first, the one it tries), the final statuses of those stored since the last
         # turn, and the storage's last error while it keeps failing.
@@ -390,7 +395,9 @@ class RankLoop:
             # pipe.step has already issued the gathers this step did not, so the other ranks'
             # forwards complete; only this job fails.
             log.exception("rank %d: step failed for job %s", self.rank, job.ticket.job_id)
-            ended = self._end(job, outcome="failed", error=f"render failed: {exc}")
+            ended = self._end(job, outcome="failed", error=f"render failed: {exc}",
+                              keep_checkpoint=True)
+            self._failed_steps.append(job.ticket.job_id)
             return ended if self.leads else None
         job.compute_seconds += time.perf_counter() - started
         state = job.state
@@ -585,6 +592,18 @@ class RankLoop:
             self.current = None
         return status
 
+    def reported(self) -> None:
+        """This turn's messages have reached rank 0, whose driver records the failures in
+        them: the checkpoints of the jobs whose step failed in it are deleted now."""
+        failed, self._failed_steps = self._failed_steps, []
+        if not failed or self.checkpoints is None or not self.leads:
+            return
+        with self._writes:
+            for job_id in failed:
+                self._to_checkpoint.pop(job_id, None)
+                self._checkpoints_ended.append(job_id)
+            self._writes.notify_all()
+
     def progress(self) -> list[Progress]:
         """Every held job's place after the turn."""
         return [Progress(rank=self.rank, job_id=j.ticket.job_id,
@@ -737,6 +756,7 @@ def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
             messages.append(loop.report())
             gathered: list[Any] = [None] * world if rank == 0 else []
             dist.gather_object(messages, gathered if rank == 0 else None, dst=0, group=control)
+            loop.reported()
             if driver is not None:
                 driver.record([st for per_rank in gathered for st in per_rank])
         failed = False
