@@ -262,7 +262,8 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
                and (code > 0 or -code in _CRASH_SIGNALS)}
     if not failure.exit_codes and not any(s in str(failure) for s in _LOST_PEER):
         crashed = set(failure.ranks)  # a rank raised outside a job's step: its job
-    crashed = {layout.leader(r) for r in crashed}
+    # The replica (named by its first rank) -> the rank of it that crashed.
+    crashed = {layout.leader(r): r for r in sorted(crashed, reverse=True)}
     sessions = make_session_factory(make_engine(settings.database_url))
     redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
     charged: set[str] = set()
@@ -275,8 +276,9 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
                     continue
                 if job.rank in crashed:
                     charged.add(job.id)
-                    ending = Ending(outcome="failed", error=f"its rank ({job.rank}) crashed "
-                                    "while rendering it", code="rank_crashed", retryable=True)
+                    ending = Ending(outcome="failed", error=f"its rank ({crashed[job.rank]}) "
+                                    "crashed while rendering it", code="rank_crashed",
+                                    retryable=True)
                 else:
                     ending = Ending(outcome="failed", error="another rank of its worker group "
                                     "failed", code="group_failed", retryable=True,

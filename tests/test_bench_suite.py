@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.chaos  # a minute or more: `make chaos` runs it, `make test` does not
+@pytest.mark.chaos  # slow: `make chaos` runs it, `make test` does not
 def test_the_quick_suite_writes_json_a_plot_and_a_report_from_them(tmp_path: Path) -> None:
     out, report = tmp_path / "results", tmp_path / "REPORT.md"
     done = subprocess.run([sys.executable, str(REPO / "bench" / "suite.py"), "--quick",

@@ -218,7 +218,7 @@ def test_a_killed_worker_group_and_celery_come_back_while_the_api_answers(
 
 
 @pytest.mark.slow
-@pytest.mark.chaos  # a minute or more: `make chaos` runs it, `make test` does not
+@pytest.mark.chaos  # slow: `make chaos` runs it, `make test` does not
 def test_a_killed_api_and_private_redis_come_back_on_the_same_address(tmp_path: Path) -> None:
     up = Up(tmp_path, "--dp", "1", "--no-celery")
     try:
@@ -257,6 +257,7 @@ def test_a_killed_api_and_private_redis_come_back_on_the_same_address(tmp_path: 
     assert code == 0, up.output
 
 
+@pytest.mark.chaos  # slow: `make chaos` runs it, `make test` does not
 @pytest.mark.slow
 def test_a_worker_that_fails_at_every_start_stops_kiln_up_with_a_plain_message(
         tmp_path: Path) -> None:

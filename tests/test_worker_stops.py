@@ -38,6 +38,7 @@ JOB = {"model": "kiln-tiny", "prompt": "a red circle moving left", "width": 256,
 
 
 
+@pytest.mark.chaos  # slow: `make chaos` runs it, `make test` does not
 def test_sigterm_to_the_group_drains_then_hands_the_job_back_uncharged_every_time(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \
@@ -116,7 +117,7 @@ def _untouched(service: Service, redis_client: Any) -> dict[str, Any]:
     return {"rows": counts, "redis": {k: redis_client.dump(k) for k in keys}}
 
 
-@pytest.mark.chaos  # a minute or more: `make chaos` runs it, `make test` does not
+@pytest.mark.chaos  # slow: `make chaos` runs it, `make test` does not
 def test_a_1920_job_is_refused_at_the_door_and_a_step_of_many_leases_beside_tiny_jobs_costs_none(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice", "bob"),

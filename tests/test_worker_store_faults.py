@@ -214,6 +214,7 @@ def _store_out_for_10_s(db: Any, redis_client: Any, redis_prefix: str, tmp_path:
         _no_partial_files(outputs)
 
 
+@pytest.mark.chaos  # slow: `make chaos` runs it, `make test` does not
 def test_an_output_directory_refusing_files_for_10_s_pauses_the_group_and_nothing_renders_twice(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     _store_out_for_10_s(db, redis_client, redis_prefix, tmp_path, tmp_path / "outs" / "outputs",
