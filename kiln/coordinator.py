@@ -69,6 +69,10 @@ HANDED_BACK = "handed back: the worker group stopped"
 LEASE_LOST = "the lease of this attempt was lost"
 # Jobs a replica may hold at once: the one it runs and one it suspended for an interactive job.
 MAX_JOBS_PER_REPLICA = 2
+# A job that sits turns out has its heartbeat (its step, a cancel request) at most this often,
+# not every turn: the turns it waits through are the short turns of the job it waits for. The
+# lease thread keeps its lease meanwhile.
+PAUSED_BEAT_SECONDS = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,6 +218,7 @@ class Coordinator:
         # Final transitions an outage held back, tried every turn.
         self.unfinished: dict[str, Ended] = {}
         self.attempt_numbers: dict[str, int] = {}  # attempt token -> its number, for the log
+        self._beats: dict[str, float] = {}  # job id -> when its last heartbeat went out
         self.degraded: str | None = None  # why, while a server or the output store is out
         # While any rank's output store fails: why (no claims meanwhile; its finished jobs wait).
         self.store_error: str | None = None
@@ -268,6 +273,7 @@ class Coordinator:
             self.hand_backs.clear()
             for job_id in (*plan.drop, *plan.hand_back):
                 self.held.pop(job_id, None)
+                self._beats.pop(job_id, None)
             # Finished jobs handed back (or whose lease was lost) while their files were still
             # being written: their ranks drop them.
             plan.abandon = [j for j, st in self.writing.items()
@@ -419,10 +425,13 @@ class Coordinator:
             if isinstance(m, Progress):
                 if h is not None:
                     self._progress(h, m)
-                self._heartbeat(m)
+                waited = self.clock() - self._beats.get(m.job_id, -float("inf"))
+                if m.computed or waited >= PAUSED_BEAT_SECONDS:
+                    self._heartbeat(m)
                 continue
             if h is not None:
                 self.held.pop(m.job_id)  # its replica is free of it
+                self._beats.pop(m.job_id, None)
             if isinstance(m, Rendered):
                 self.writing[m.job_id] = m
                 self._await_write |= h is not None and h.job_class == INTERACTIVE
@@ -439,6 +448,7 @@ class Coordinator:
     def _heartbeat(self, st: Progress) -> None:
         """A running job's step, recorded; its lease renewed; a cancel request or a lost lease
         noted for the next plan."""
+        self._beats[st.job_id] = self.clock()
         try:
             beat = self.io.heartbeat(st.job_id, st.attempt_token, step=st.step,
                                      num_inference_steps=st.num_inference_steps)

@@ -63,6 +63,7 @@ class MemoryIO:
     reports: list[GroupReport] = field(default_factory=list)
     learned: list[str] = field(default_factory=list)
     claims_asked: list[tuple[list[int], str | None]] = field(default_factory=list)
+    beats: list[str] = field(default_factory=list)  # job ids, one per heartbeat
     lose_next_claim: bool = False  # the claim commits, then its answer is lost
     down: bool = False
     attempts_made: int = 0
@@ -114,6 +115,7 @@ class MemoryIO:
     def heartbeat(self, job_id: str, token: str, *, step: int | None = None,
                   num_inference_steps: int | None = None) -> Beat | None:
         self._server()
+        self.beats.append(job_id)
         if job_id in self.lost or self.running.get(job_id) != token:
             return None
         return Beat(cancel_requested=job_id in self.cancelled,
@@ -283,6 +285,28 @@ def test_a_dear_batch_job_sits_out_while_a_cheap_interactive_one_runs_beside_it(
     plan = g.turn()
     assert {r: t.job_id for r, t in plan.assign.items()} == {1: "small"}
     assert plan.run == {1: "small"}  # big sits out: it would pace the small job's steps
+
+
+def test_a_job_sitting_turns_out_has_a_heartbeat_a_second_and_its_cancel_still_lands() -> None:
+    g = Group(dp=2)
+    g.io.submit("big", steps=50)
+    g.turn()
+    g.step_seconds["big"] = 5.0
+    g.turn()
+    g.io.submit("small", INTERACTIVE, steps=1000, tokens=20)
+    g.step_seconds["small"] = 0.1
+    g.turn()
+    g.io.beats.clear()
+    for _ in range(20):  # 2 s of the small job's turns, the big one sitting them out
+        assert g.turn().run == {1: "small"}
+    assert g.io.beats.count("small") == 20
+    assert 2 <= g.io.beats.count("big") <= 3  # not one a turn: one a second
+    g.io.cancelled.add("big")
+    for _ in range(11):
+        plan = g.turn()
+        if "big" in plan.drop:
+            break
+    assert plan.drop == {"big": "cancelled by the user"}
 
 
 def test_a_cancel_request_drops_the_job_at_the_next_step_boundary() -> None:
