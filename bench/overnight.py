@@ -20,10 +20,11 @@ What is measured, per job (wall clock, the database's timestamps and this proces
   job's progress at step 1 or beyond; a job that ended between two polls counts its
   ``finished_at``. Also shown: submit -> claim (``started_at``), the step boundary where the
   group took the job, which is just before its first step starts;
-- latency: submit -> ``finished_at`` of a succeeded job; and, once it runs, first step ->
-  ``finished_at`` (the wait is bounded on its own: a job is taken at a step boundary, so it
-  waits for the batch step in progress, which is longer than a whole solo render of a small
-  job whenever the batch job's steps are big);
+- latency: submit -> ``finished_at`` of a succeeded job; and, once the group has taken it,
+  its ``render_seconds`` (claim -> ``finished_at``, the database's own timestamps). The wait
+  is bounded on its own: a job is taken at a step boundary, so it waits for the batch step in
+  progress, which is longer than a whole solo render of a small job whenever the batch job's
+  steps are big;
 - makespan of the batch jobs: the first batch job's ``started_at`` -> the last one's
   ``finished_at``; one batch step: a batch job's ``render_seconds`` / its steps, alone.
 
@@ -31,7 +32,7 @@ The acceptance bounds (issue 23), each printed with the figures it was computed 
 
 - p95 wait of the mixed interactive jobs <= one batch step + 1 s;
 - p95 latency of the mixed interactive jobs <= 2x the solo latency (median of the solo jobs),
-  submit -> end and first step -> end;
+  submit -> end and claim -> end;
 - batch makespan mixed <= 1.1 x (makespan alone + number of interactive jobs x their solo
   ``render_seconds``, median);
 - every job ended exactly once: succeeded, one claim, one final event, nothing requeued, and
@@ -273,8 +274,7 @@ def rows(svc: Service, tracks: list[Track]) -> list[dict[str, Any]]:
                     "finished_at": finished, "first_step_seen": t.first_step is not None,
                     "claim_s": None if started is None else started - t.sent,
                     "wait_s": None if first is None else first - t.sent,
-                    "latency_s": None if finished is None else finished - t.sent,
-                    "run_s": None if finished is None or first is None else finished - first})
+                    "latency_s": None if finished is None else finished - t.sent})
     return out
 
 
@@ -345,8 +345,8 @@ def summarise(solo: list[dict[str, Any]], alone: list[dict[str, Any]],
     alone_span, mixed_span = makespan(alone), makespan(batch)
     wait = p95([j["wait_s"] for j in inter])
     latency = p95([j["latency_s"] for j in inter])
-    # Once it runs: first step -> finished, against the same of the solo jobs.
-    run, solo_run = p95([j["run_s"] for j in inter]), statistics.median(j["run_s"] for j in solo)
+    # Once the group has taken it: claim -> end, against the same of the solo jobs.
+    run = p95([j["render_seconds"] for j in inter])
     span_bound = 1.1 * (alone_span + len(inter) * solo_render)
     return {
         "solo": {"jobs": len(solo), "latency_s_median": solo_latency,
@@ -364,8 +364,8 @@ def summarise(solo: list[dict[str, Any]], alone: list[dict[str, Any]],
         "wait": {"p95_s": wait, "bound_s": step + 1.0, "ok": wait <= step + 1.0},
         "latency": {"p95_s": latency, "bound_s": 2 * solo_latency,
                     "ok": latency <= 2 * solo_latency},
-        "running": {"p95_s": run, "bound_s": 2 * solo_run, "solo_s_median": solo_run,
-                    "ok": run <= 2 * solo_run},
+        "running": {"p95_s": run, "bound_s": 2 * solo_render, "solo_s_median": solo_render,
+                    "ok": run <= 2 * solo_render},
         "makespan": {"mixed_s": mixed_span, "bound_s": span_bound, "alone_s": alone_span,
                      "interactive_solo_render_sum_s": len(inter) * solo_render,
                      "ok": mixed_span <= span_bound},
@@ -432,7 +432,7 @@ def print_mode(mode: str, m: dict[str, Any]) -> None:
           f"(batch step {a['step_s']:.3f} + 1)  {verdict(w['ok'])}")
     print(f"  interactive latency p95      {lat['p95_s']:7.3f} s <= {lat['bound_s']:7.3f} s "
           f"(2 x solo {s['latency_s_median']:.3f})  {verdict(lat['ok'])}")
-    print(f"  ... first step->end p95      {run['p95_s']:7.3f} s <= {run['bound_s']:7.3f} s "
+    print(f"  ... claim->end p95           {run['p95_s']:7.3f} s <= {run['bound_s']:7.3f} s "
           f"(2 x solo {run['solo_s_median']:.3f})  {verdict(run['ok'])}")
     print(f"  batch makespan               {span['mixed_s']:7.1f} s <= {span['bound_s']:7.1f} s "
           f"(1.1 x ({span['alone_s']:.1f} + {x['interactive']} x {s['render_s_median']:.3f}))"
