@@ -41,7 +41,7 @@ from common.settings import Settings, get_settings
 from kiln import signing
 from scheduler import queue_index
 from scheduler.attempts import settle
-from storage import lifecycle, retention, webhooks
+from storage import lifecycle, queries, retention, webhooks
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, checkpoint_key, make_store
 from storage.tables import Batch, Job, JobState, utcnow
@@ -594,9 +594,26 @@ def reconcile_ready_index() -> dict[str, int]:
     return {"added": out.added, "removed": out.removed}
 
 
+def clean_up_checkpoints(ctx: Context) -> list[str]:
+    """Deletes the checkpoints no attempt will resume: those of jobs that are over (ended where
+    no rank deleted the checkpoint: dead after a crash, cancelled while queued) or no longer
+    there; returns their job ids. A queued or running job's checkpoint stays."""
+    held = {key.removeprefix("checkpoints/").removesuffix(".ckpt"): key
+            for key in ctx.store.keys("checkpoints")}
+    if not held:
+        return []
+    with ctx.sessions() as session:
+        alive = queries.unfinished_job_ids(session, list(held))
+    gone = sorted(set(held) - alive)
+    for job_id in gone:
+        ctx.store.delete(held[job_id])
+    return gone
+
+
 @app.task(name="kiln.clean_up_outputs", ignore_result=True)
 def clean_up_outputs() -> int:
-    return len(clean_up(_context()))
+    ctx = _context()
+    return len(clean_up(ctx)) + len(clean_up_checkpoints(ctx))
 
 
 def enqueue_job_finished(session: Session, job_id: str) -> bool:

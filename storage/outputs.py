@@ -116,6 +116,9 @@ class OutputStore(Protocol):
     def delete(self, key: str) -> None:
         """Removes the object; absent objects are not an error."""
 
+    def keys(self, folder: str) -> list[str]:
+        """The keys of the objects in ``folder`` (``checkpoints``: every job's checkpoint)."""
+
 
 class LocalStore:
     def __init__(self, root: Path) -> None:
@@ -156,6 +159,14 @@ class LocalStore:
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def keys(self, folder: str) -> list[str]:
+        found = self.root / folder
+        if not found.is_dir():
+            return []
+        # Not the files still being written (`common.files.atomic_path`'s ".tmp-" ones).
+        return sorted(f"{folder}/{p.name}" for p in found.iterdir()
+                      if p.is_file() and _KEY.match(f"{folder}/{p.name}"))
 
 
 class S3Store:
@@ -212,6 +223,13 @@ class S3Store:
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._name(key))
+
+    def keys(self, folder: str) -> list[str]:
+        start = f"{self.prefix}/" if self.prefix else ""
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=f"{start}{folder}/")
+        names = (o["Key"][len(start):] for page in pages for o in page.get("Contents", ()))
+        return sorted(k for k in names if _KEY.match(k))
 
 
 def make_store(settings: Settings) -> OutputStore:

@@ -124,3 +124,13 @@ def running_jobs_by_group(session: Session, group_ids: Sequence[str]) -> dict[st
     for job in rows:
         out.setdefault(job.worker_group_id or "", []).append(job)
     return out
+
+
+def unfinished_job_ids(session: Session, job_ids: Sequence[str]) -> set[str]:
+    """Those of ``job_ids`` whose job is still there and not over (queued or running)."""
+    if not job_ids:
+        return set()
+    rows = session.scalars(select(Job.id).where(Job.id.in_(list(job_ids)),
+                                                Job.state.in_([JobState.QUEUED,
+                                                               JobState.RUNNING])))
+    return set(rows)

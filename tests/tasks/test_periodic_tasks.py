@@ -6,12 +6,20 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from task_helpers import T0, make_settings, submit, succeed
+from task_helpers import T0, make_settings, submit, succeed, user
 
-from kiln.tasks import Context, beat_schedule, celery_config, clean_up, reap_leases, reconcile
+from kiln.tasks import (
+    Context,
+    beat_schedule,
+    celery_config,
+    clean_up,
+    clean_up_checkpoints,
+    reap_leases,
+    reconcile,
+)
 from scheduler import queue_index
 from storage import lifecycle, queries
-from storage.outputs import thumbnail_key, video_key
+from storage.outputs import checkpoint_key, thumbnail_key, video_key
 from storage.tables import Job, JobState, utcnow
 
 
@@ -89,6 +97,29 @@ def test_retention_deletes_old_outputs_and_keeps_the_rows_and_newer_outputs(
         kept = s.get(Job, recent)
         assert kept is not None and kept.output_video_key == video_key(recent)
     assert clean_up(ctx, now=now) == []  # idempotent
+
+
+def test_checkpoints_no_attempt_will_resume_are_deleted_and_the_others_kept(
+        ctx: Context) -> None:
+    with ctx.sessions() as s:
+        queued = submit(s).id  # handed back: its next attempt resumes from the checkpoint
+        running = submit(s).id
+        assert lifecycle.claim_job(s, running, worker_group_id="g", lease_seconds=600)
+        dead = submit(s, max_attempts=1).id
+        assert lifecycle.claim_job(s, dead, worker_group_id="g", lease_seconds=60, now=T0)
+        cancelled = submit(s).id
+        assert lifecycle.request_cancel(s, cancelled, user(s, "alice")) is not None
+    reap_leases(ctx, now=T0 + timedelta(minutes=2))  # "dead" lapses on its last attempt
+    gone = "0" * 20  # a checkpoint whose job is no longer in the database
+    for job_id in (queued, running, dead, cancelled, gone):
+        ctx.store.put_bytes(checkpoint_key(job_id), b"state")
+    ctx.store.put_bytes("videos/" + queued + ".mp4", b"not a checkpoint")
+
+    assert clean_up_checkpoints(ctx) == sorted([cancelled, dead, gone])
+
+    assert [k for k in ctx.store.keys("checkpoints")] == sorted(
+        checkpoint_key(j) for j in (queued, running))
+    assert clean_up_checkpoints(ctx) == []
 
 
 def test_retention_of_zero_days_keeps_everything(ctx: Context, tmp_path: object) -> None:
