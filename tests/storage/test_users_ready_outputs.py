@@ -7,17 +7,19 @@ import secrets
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import boto3
 import pytest
 import redis
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from moto import mock_aws
 from sqlalchemy import create_engine, inspect, make_url, select, text
 from sqlalchemy.orm import Session
 
 import migrations
 from scheduler import queue_index
 from storage import lifecycle, queries, submission
-from storage.outputs import LocalStore, S3Store, thumbnail_key, video_key
+from storage.outputs import LocalStore, S3Store, checkpoint_key, thumbnail_key, video_key
 from storage.submission import JobSpec
 from storage.tables import ApiKey, Base, JobClass
 from storage.users import authenticate, create_api_key, revoke_api_key
@@ -186,3 +188,21 @@ def test_index_position_agrees_with_the_database_count(
     queue_index.remove(redis_client, redis_prefix, [made[2].id])
     assert queue_index.position(redis_client, redis_prefix, made[2]) is None
     assert queue_index.position(redis_client, redis_prefix, made[1]) == 0
+
+
+def test_both_stores_list_a_folders_keys_and_nothing_else(tmp_path: Path) -> None:
+    """``keys``: the objects in one folder (the checkpoint clean-up lists its own), under the
+    S3 store's prefix, without files still being written."""
+    with mock_aws():
+        client = boto3.client("s3", region_name="us-east-1")
+        client.create_bucket(Bucket="bucket")
+        stores = [LocalStore(tmp_path), S3Store("bucket", "renders", client=client)]
+        for store in stores:
+            for job_id in ("b" * 20, "a" * 20):
+                store.put_bytes(checkpoint_key(job_id), b"state")
+            store.put_bytes(video_key("c" * 20), b"video")
+            assert store.keys("checkpoints") == [checkpoint_key("a" * 20),
+                                                 checkpoint_key("b" * 20)]
+            assert store.keys("previews") == []
+        (tmp_path / "checkpoints" / ".tmp-x.ckpt").write_bytes(b"half")
+        assert len(stores[0].keys("checkpoints")) == 2
