@@ -252,26 +252,19 @@ def test_a_due_interactive_job_preempts_the_batch_job_with_the_most_work_left() 
     assert [j for j, _, e in g.io.ended] == ["i"]
 
 
-def test_a_throughput_group_does_not_preempt_its_batch_work() -> None:
-    g = Group(dp=1, goal="throughput")
+@pytest.mark.parametrize(("goal", "arriving"), [("throughput", INTERACTIVE), ("latency", BATCH)],
+                         ids=["throughput group", "no interactive job due"])
+def test_no_preemption_in_a_throughput_group_or_without_an_interactive_job_due(
+        goal: str, arriving: str) -> None:
+    g = Group(dp=1, goal=goal)
     g.io.submit("a", steps=50)
     g.turn()
-    g.io.submit("i", INTERACTIVE)
+    g.io.submit("b", arriving)
     for _ in range(3):
         plan = g.turn()
         assert not plan.assign and plan.run == {0: "a"}
     assert not [n for n in g.io.notes if n[0] == "preempted"]
-
-
-def test_no_preemption_when_no_interactive_job_is_due() -> None:
-    g = Group(dp=1)
-    g.io.submit("a", steps=50)
-    g.turn()
-    g.io.submit("b", BATCH)
-    for _ in range(3):
-        plan = g.turn()
-        assert not plan.assign and plan.run == {0: "a"}
-    assert g.io.claims_asked == [([0], None)]
+    assert g.io.claims_asked == [([0], None)]  # the replica was never offered to "b"
 
 
 def test_a_dear_batch_job_sits_out_while_a_cheap_interactive_one_runs_beside_it() -> None:
