@@ -274,9 +274,10 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
             for job in held:
                 if job.attempt_token is None:
                     continue
-                if job.rank in crashed:
+                rank, attempt = job.rank, job.attempts  # as they were: the ending clears them
+                if rank in crashed:
                     charged.add(job.id)
-                    ending = Ending(outcome="failed", error=f"its rank ({crashed[job.rank]}) "
+                    ending = Ending(outcome="failed", error=f"its rank ({crashed[rank]}) "
                                     "crashed while rendering it", code="rank_crashed",
                                     retryable=True)
                 else:
@@ -286,8 +287,8 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
                 state = finish_attempt(session, redis, settings.redis_prefix,  # type: ignore[arg-type]
                                        job.id, job.attempt_token, ending,
                                        notify=_enqueue_job_finished)
-                job_log("recovered", job=job.id, attempt=job.attempts, rank=job.rank,
-                        state=state, charged=ending.charged, error=ending.error)
+                job_log("recovered", job=job.id, attempt=attempt, rank=rank, state=state,
+                        charged=ending.charged, error=ending.error)
             workers.mark_stopped(session, group_id, reason=str(failure).splitlines()[0][:500])
 
     # A server that is out is waited for (each try ends only the attempts still running, by
