@@ -230,6 +230,7 @@ def test_a_full_output_disk_for_10_s_pauses_the_group_and_nothing_renders_twice(
                             _fill_disk, "No space left on device", preview_every_steps=0)
 
 
+@pytest.mark.chaos  # slow: `make chaos` runs it, `make test` does not
 def test_a_group_stopped_while_the_store_fails_hands_its_finished_job_back_uncharged(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     outputs = tmp_path / "outs" / "outputs"
