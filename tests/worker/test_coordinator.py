@@ -267,28 +267,28 @@ def test_no_preemption_in_a_throughput_group_or_without_an_interactive_job_due(
     assert g.io.claims_asked == [([0], None)]  # the replica was never offered to "b"
 
 
-def test_a_dear_batch_job_sits_out_while_a_cheap_interactive_one_runs_beside_it() -> None:
+def small_beside_big(*, big_steps: int, small_steps: int) -> tuple[Group, StepPlan]:
+    """A dp=2 group: a batch job "big" of 5 s steps, measured, on replica 0; then an interactive
+    job "small" (a fiftieth of its tokens, 0.1 s steps) arrives and takes replica 1. The plan of
+    the turn that gave it."""
     g = Group(dp=2)
-    g.io.submit("big", steps=50)
+    g.io.submit("big", steps=big_steps)
     g.turn()
     g.step_seconds["big"] = 5.0
     g.turn()  # big's own step time is measured now
-    g.io.submit("small", INTERACTIVE, steps=4, tokens=20)  # a fiftieth of big's
+    g.io.submit("small", INTERACTIVE, steps=small_steps, tokens=20)
     g.step_seconds["small"] = 0.1
-    plan = g.turn()
+    return g, g.turn()
+
+
+def test_a_dear_batch_job_sits_out_while_a_cheap_interactive_one_runs_beside_it() -> None:
+    g, plan = small_beside_big(big_steps=50, small_steps=4)
     assert {r: t.job_id for r, t in plan.assign.items()} == {1: "small"}
     assert plan.run == {1: "small"}  # big sits out: it would pace the small job's steps
 
 
 def test_a_job_sitting_turns_out_has_a_heartbeat_a_second_and_its_cancel_still_lands() -> None:
-    g = Group(dp=2)
-    g.io.submit("big", steps=50)
-    g.turn()
-    g.step_seconds["big"] = 5.0
-    g.turn()
-    g.io.submit("small", INTERACTIVE, steps=1000, tokens=20)
-    g.step_seconds["small"] = 0.1
-    g.turn()
+    g, _ = small_beside_big(big_steps=50, small_steps=1000)
     g.io.beats.clear()
     for _ in range(20):  # 2 s of the small job's turns, the big one sitting them out
         assert g.turn().run == {1: "small"}
@@ -419,14 +419,7 @@ def test_a_resumed_job_is_noted_once_with_the_step_it_resumed_from() -> None:
 
 
 def test_a_batch_job_paused_past_the_bound_runs_next() -> None:
-    g = Group(dp=2)
-    g.io.submit("big", steps=500)
-    g.turn()
-    g.step_seconds["big"] = 5.0
-    g.turn()
-    g.step_seconds["small"] = 0.1
-    g.io.submit("small", INTERACTIVE, steps=1000, tokens=20)
-    g.turn()
+    g, _ = small_beside_big(big_steps=500, small_steps=1000)
     ran = []
     for _ in range(400):
         plan = g.turn()
