@@ -576,16 +576,14 @@ class RankLoop:
                        num_inference_steps=s.num_inference_steps,
                        compute_seconds=job.compute_seconds, **kwargs)
         job_id = job.ticket.job_id
-        with self._writes:
-            if self.preview_every_steps:
+        if self.preview_every_steps:
+            with self._writes:
                 if self._preview is not None and self._preview.job_id == job_id:
                     self._preview = None
                 self._previews_ended.append(job_id)
-            if self.checkpoints is not None and self.leads:
-                if not keep_checkpoint:
-                    self._to_checkpoint.pop(job_id, None)
-                    self._checkpoints_ended.append(job_id)
-            self._writes.notify_all()
+                self._writes.notify_all()
+        if not keep_checkpoint:
+            self._delete_checkpoints([job_id])
         if job in self.jobs:
             self.jobs.remove(job)
         if self.current is job:
@@ -596,10 +594,15 @@ class RankLoop:
         """This turn's messages have reached rank 0, whose driver records the failures in
         them: the checkpoints of the jobs whose step failed in it are deleted now."""
         failed, self._failed_steps = self._failed_steps, []
-        if not failed or self.checkpoints is None or not self.leads:
+        self._delete_checkpoints(failed)
+
+    def _delete_checkpoints(self, job_ids: list[str]) -> None:
+        """These jobs' checkpoints are not wanted any more: the checkpoint thread deletes them
+        (and stores none of theirs that is still waiting)."""
+        if not job_ids or self.checkpoints is None or not self.leads:
             return
         with self._writes:
-            for job_id in failed:
+            for job_id in job_ids:
                 self._to_checkpoint.pop(job_id, None)
                 self._checkpoints_ended.append(job_id)
             self._writes.notify_all()
