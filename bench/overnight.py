@@ -71,8 +71,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.service_latency import KILN, fresh_database, make_key, wait_healthy  # noqa: E402
-from common.procs import free_port, stop_group  # noqa: E402
+from bench.service_latency import (  # noqa: E402
+    KILN,
+    fresh_database,
+    make_key,
+    process,
+    wait_healthy,
+)
+from common.procs import free_port  # noqa: E402
 
 FULL = {"batch": "256x256x33x150", "interactive": 20, "solo": 5}
 QUICK = {"batch": "256x256x33x24", "interactive": 6, "solo": 3}
@@ -96,20 +102,6 @@ class Service:
     client: httpx.Client  # the API, with the bench user's key
     engine: Any  # the database, read for timestamps, progress and events
     logs: Path
-
-
-@contextlib.contextmanager
-def child(name: str, argv: list[str], env: dict[str, str],
-          logs: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``kiln`` command in a process group of its own, its output in ``logs/name.log``;
-    stopped gracefully (SIGINT), then killed, on leaving."""
-    with (logs / f"{name}.log").open("ab") as out:
-        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        yield proc
-    finally:
-        stop_group(proc, timeout=60)
 
 
 def wait_group_ready(client: httpx.Client, worker: subprocess.Popen[bytes],
@@ -151,9 +143,9 @@ def service(mode: str, tmp: Path) -> Iterator[Service]:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
                               headers={"Authorization": f"Bearer {make_key(db_url)}"})
         try:
-            with child("api", [KILN, "api", "--port", str(port)], env, logs), \
-                    child("worker", [KILN, "worker", "--dp", "2", MODE_FLAGS[mode]], env,
-                          logs) as worker:
+            with process([KILN, "api", "--port", str(port)], env, log=logs / "api.log"), \
+                    process([KILN, "worker", "--dp", "2", MODE_FLAGS[mode]], env,
+                            log=logs / "worker.log", stop_timeout=60) as worker:
                 try:
                     wait_healthy(str(client.base_url))
                     wait_group_ready(client, worker)

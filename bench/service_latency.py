@@ -93,14 +93,19 @@ def make_key(url: str) -> str:
 
 
 @contextlib.contextmanager
-def process(argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+def process(argv: list[str], env: dict[str, str], *, log: Path | None = None,
+            stop_timeout: float = 30) -> Iterator[subprocess.Popen[bytes]]:
     """A child in its own process group, stopped with SIGINT (graceful), then SIGKILL; its
-    output goes to stderr, so that stdout carries only the figures."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, cwd=ROOT, stdout=sys.stderr)
+    output goes to ``log`` (appended, stderr with it), else to stderr, so that stdout carries
+    only the figures."""
+    with contextlib.ExitStack() as stack:
+        out = (stack.enter_context(log.open("ab")) if log is not None else sys.stderr)
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT if log is not None else None)
     try:
         yield proc
     finally:
-        stop_group(proc, timeout=30)
+        stop_group(proc, timeout=stop_timeout)
 
 
 def wait_healthy(url: str, timeout: float = 60) -> None:
