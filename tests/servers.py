@@ -16,7 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import av
 import httpx
+import numpy as np
 import uvicorn
 from typer.testing import CliRunner
 
@@ -283,3 +285,9 @@ def kiln_up(tmp_path: Path, *args: str) -> Iterator[tuple[str, str]]:
         stop_group(proc, timeout=90)
         if proc.stdout:
             proc.stdout.close()
+
+
+def decoded(path: Path) -> np.ndarray:
+    """A stored MP4's frames, RGB, as one array [frames, height, width, 3]."""
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])

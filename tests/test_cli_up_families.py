@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import av
 import httpx
 import numpy as np
 import pytest
 import torch
-from servers import kiln_up
+from servers import decoded, kiln_up
 from typer.testing import CliRunner
 
 from kiln.cli import app
@@ -36,11 +35,6 @@ JOBS: dict[str, dict[str, Any]] = {
 }
 
 
-def _decoded(path: Path) -> np.ndarray:
-    with av.open(str(path)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-
-
 def _local_video(model: str, body: dict[str, Any], out: Path) -> np.ndarray:
     """The same request rendered here, with the threads one rank of the group computes with."""
     threads = torch.get_num_threads()
@@ -53,7 +47,7 @@ def _local_video(model: str, body: dict[str, Any], out: Path) -> np.ndarray:
         pipe.close()
         torch.set_num_threads(threads)
     local, _ = write_outputs(frames, out, fps=body["fps"])
-    return _decoded(Path(local))
+    return decoded(Path(local))
 
 
 @pytest.mark.slow
@@ -81,7 +75,7 @@ def test_kiln_up_serves_the_family_end_to_end(tmp_path: Path, family: str) -> No
         assert video.status_code == 200
         path = tmp_path / "served.mp4"
         path.write_bytes(video.content)
-    frames = _decoded(path)
+    frames = decoded(path)
     assert frames.shape == (body["num_frames"], body["height"], body["width"], 3)
     assert np.array_equal(frames, _local_video(model, body, tmp_path / "local.mp4"))
 

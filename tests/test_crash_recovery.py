@@ -16,12 +16,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import av
 import httpx
 import numpy as np
 import psutil
 import pytest
-from servers import job_row, serving_api, worker_group
+from servers import decoded, job_row, serving_api, worker_group
 
 from kiln.tasks import Context, reap_leases
 from runtime.pipelines.base import VideoRequest
@@ -42,11 +41,6 @@ LEASE = 5  # seconds; the setting's minimum
 STEPS = 150
 JOB = {"model": "kiln-tiny", "prompt": "a red circle moving left", "width": 64, "height": 64,
        "num_frames": 9, "num_inference_steps": STEPS, "fps": 8, "seed": 7}
-
-
-def _decoded(path: Path) -> np.ndarray:
-    with av.open(str(path)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
 def _wait(client: httpx.Client, job_id: str, until: Any, timeout: float) -> dict[str, Any]:
@@ -178,8 +172,8 @@ def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_
         finally:
             pipe.close()
         local, _ = write_outputs(frames, tmp_path / "local.mp4", fps=8)
-        assert _decoded(served).shape == (9, 64, 64, 3)
-        assert np.array_equal(_decoded(served), _decoded(Path(local)))
+        assert decoded(served).shape == (9, 64, 64, 3)
+        assert np.array_equal(decoded(served), decoded(Path(local)))
         # Nothing else in the outputs: no temporary or partial file from the killed attempt.
         names = sorted(p.name for p in outputs.rglob("*") if p.is_file())
         assert not [n for n in names if n.startswith(".tmp-")], names

@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import av
 import numpy as np
 import psutil
 import pytest
 import torch
-from servers import api_client, job_row, serving_api, wait_job, worker_group
+from servers import api_client, decoded, job_row, serving_api, wait_job, worker_group
 
 from runtime.launch import rank_threads
 from runtime.pipelines.base import VideoRequest
@@ -88,16 +87,11 @@ def _model(request: pytest.FixtureRequest, name: str) -> str:
     return "kiln-tiny" if name == "kiln-tiny" else str(request.getfixturevalue("wan_dir"))
 
 
-def _decoded(path: Path) -> np.ndarray:
-    with av.open(str(path)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-
-
 def _served(client: Any, job_id: str, path: Path) -> np.ndarray:
     r = client.get(f"/v1/jobs/{job_id}/video")
     assert r.status_code == 200, r.text
     path.write_bytes(r.content)
-    return _decoded(path)
+    return decoded(path)
 
 
 def _uninterrupted(model: str, body: dict[str, Any], dp: int, sp: int, allgather: bool,
@@ -119,7 +113,7 @@ def _uninterrupted(model: str, body: dict[str, Any], dp: int, sp: int, allgather
             pipe.close()
             torch.set_num_threads(threads)
     local, _ = write_outputs(frames_to_uint8(frames).numpy(), out, fps=body["fps"])
-    return _decoded(Path(local))
+    return decoded(Path(local))
 
 
 def _ranks(service: Any, client: Any, group_id: str) -> dict[int, int]:

@@ -14,11 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import av
 import httpx
 import numpy as np
 import pytest
-from servers import Service, running_service
+from servers import Service, decoded, running_service
 from sqlalchemy import select
 
 from runtime.pipelines.base import VideoRequest
@@ -29,11 +28,6 @@ from storage.video import write_outputs
 
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9,
        "num_inference_steps": 4, "fps": 8}
-
-
-def _decoded(path: Path) -> np.ndarray:
-    with av.open(str(path)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
 @pytest.fixture(params=[Layout(dp=2), Layout(dp=1, sp=2)], ids=["dp2", "dp1xsp2"])
@@ -107,8 +101,8 @@ def test_six_jobs_from_two_users_render_on_every_replica_and_match_kiln_render(
                                        num_inference_steps=4, seed=body["seed"])
                 frames = frames_to_uint8(pipe.generate(request)).numpy()
                 local, _ = write_outputs(frames, tmp_path / f"local-{job_id}.mp4", fps=8)
-                assert np.array_equal(_decoded(served), _decoded(Path(local))), job_id
-                assert _decoded(served).shape == (9, 64, 64, 3)
+                assert np.array_equal(decoded(served), decoded(Path(local))), job_id
+                assert decoded(served).shape == (9, 64, 64, 3)
         finally:
             pipe.close()
 
@@ -139,7 +133,7 @@ def test_openai_sdk_creates_polls_until_completed_and_downloads_a_rendered_video
     assert video.status == "completed" and video.progress == 100, (video, seen)
     path = tmp_path / "sdk.mp4"
     client.videos.download_content(video.id).write_to_file(path)
-    frames = _decoded(path)
+    frames = decoded(path)
     assert frames.shape[1:] == (64, 64, 3) and frames.shape[0] >= 8
     thumb = client.videos.download_content(video.id, variant="thumbnail")
     assert thumb.read()[:8] == b"\x89PNG\r\n\x1a\n"
