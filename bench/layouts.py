@@ -225,7 +225,7 @@ class QueueDriver:
         self.t0 = 0.0
         self.turns = 0
 
-    def start(self, memory: dict[str, Any]) -> None:
+    def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
         self.t0 = time.perf_counter()
 
     def next_plan(self, stop_requested: bool) -> Any:

@@ -1,4 +1,5 @@
-"""A small interactive job beside a big batch job on one dp=2 group: lock-step against time-sliced.
+"""A small interactive job beside a big batch job on one dp=2 group: lock-step, time-sliced, and
+replicas at their own pace.
 
 kiln-tiny on two CPU ranks over gloo (``runtime.launch.run_ranks``), one torch thread per rank,
 through the service's rank loop (``runtime.rank_loop.run_loop``), in allgather and in rank-local
@@ -12,14 +13,17 @@ loads once), interleaved round after round so that drift in machine load hits th
 - ``sliced``: the same arrival, and each turn is chosen by ``scheduler.turns.choose_turn`` from
   the jobs' measured seconds per step and their classes, as the worker's coordinator chooses it:
   the big job sits out while the small one runs, and the turn after the small job rendered has
-  no step (its replica stores the files before the big job's next step).
+  no step (its replica stores the files before the big job's next step);
+- ``own_pace`` (mode ``own_pace``: rank-local weights, ``run_loop(own_pace=True)``, in place of
+  ``lockstep`` and ``sliced``): the same arrival, and each replica steps its own job as fast as
+  it goes, with no turn shared between them.
 
 A job's time is from the turn that hands it to its replica to its final status. The acceptance
 bounds printed: the small job beside the big one within 1.5x its solo time, and the big job
 within 1.1x (its solo time + the small job's solo time).
 
 Usage: python bench/mixed.py [--big 256x256x33x12] [--small 64x64x9x4] [--after 2]
-                             [--rounds 3] [--modes allgather,rank_local] [--json PATH]
+                             [--rounds 3] [--modes allgather,rank_local,own_pace] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCENARIOS = ("small_solo", "big_solo", "lockstep", "sliced")
+OWN_PACE_SCENARIOS = ("small_solo", "big_solo", "own_pace")
+# mode -> (allgather, replicas at their own pace)
+MODES = {"allgather": (True, False), "rank_local": (False, False), "own_pace": (False, True)}
 
 
 def _size(text: str) -> tuple[int, int, int, int]:
@@ -46,9 +53,10 @@ class ScriptDriver:
     """Rank 0's `runtime.rank_loop.GroupDriver`: the scenarios one after the other, each to its
     jobs' final statuses; records every job's time."""
 
-    def __init__(self, big: Any, small: Any, after: int, rounds: int) -> None:
+    def __init__(self, big: Any, small: Any, after: int, rounds: int,
+                 scenarios: tuple[str, ...] = SCENARIOS) -> None:
         self.big, self.small, self.after = big, small, after
-        self.script = [s for _ in range(rounds) for s in SCENARIOS]
+        self.script = [s for _ in range(rounds) for s in scenarios]
         self.results: list[dict[str, Any]] = []
         self._scenario: str | None = None
         self._pending: dict[str, tuple[int, Any]] = {}  # job id -> (replica, request), not sent
@@ -59,7 +67,7 @@ class ScriptDriver:
         self._count = 0
         self._await_write = False
 
-    def start(self, memory: dict[str, Any]) -> None:
+    def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
         pass
 
     def _begin(self) -> None:
@@ -147,7 +155,7 @@ def _discard_write(frames: Any, job_id: str, fps: int) -> tuple[str, str]:
     return f"videos/{job_id}.mp4", f"thumbnails/{job_id}.png"
 
 
-def _serve_rank(ctx: Any, use_allgather: bool, big: Any, small: Any, after: int,
+def _serve_rank(ctx: Any, mode: str, big: Any, small: Any, after: int,
                 rounds: int) -> list[dict[str, Any]] | None:
     from common.families import TINY_MODEL
     from runtime.platform import get_platform
@@ -155,14 +163,16 @@ def _serve_rank(ctx: Any, use_allgather: bool, big: Any, small: Any, after: int,
     from runtime.render import load_pipeline, run_lockstep
     from runtime.sequence import Layout, open_sequence
 
+    use_allgather, own_pace = MODES[mode]
     platform = get_platform("cpu")
     layout = Layout(dp=2, sp=1)
     pipe = load_pipeline(TINY_MODEL, device=platform.device, use_allgather=use_allgather,
                          sequence=open_sequence(layout, platform.backend))
     run_lockstep(pipe, layout.replica(ctx.rank), [small, small])  # warm-up
     loop = RankLoop(ctx.rank, pipe, _discard_write, platform, layout=layout)
-    driver = ScriptDriver(big, small, after, rounds) if ctx.rank == 0 else None
-    run_loop(ctx.rank, ctx.world, loop, driver)
+    scenarios = OWN_PACE_SCENARIOS if own_pace else SCENARIOS
+    driver = ScriptDriver(big, small, after, rounds, scenarios) if ctx.rank == 0 else None
+    run_loop(ctx.rank, ctx.world, loop, driver, own_pace=own_pace)
     return driver.results if driver is not None else None
 
 
@@ -172,7 +182,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     small_solo, big_solo = med("small_solo", "small_s"), med("big_solo", "big_s")
     out: dict[str, Any] = {"small_solo_s": small_solo, "big_solo_s": big_solo}
-    for name in ("lockstep", "sliced"):
+    for name in ("lockstep", "sliced", "own_pace"):
+        if not any(r["scenario"] == name for r in rows):
+            continue
         small, big = med(name, "small_s"), med(name, "big_s")
         out[name] = {"small_s": small, "big_s": big, "small_over_solo": small / small_solo,
                      "big_over_bound": big / (big_solo + small_solo),
@@ -188,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", default="64x64x9x4")
     parser.add_argument("--after", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--modes", default="allgather,rank_local")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     from runtime.launch import run_ranks
@@ -206,14 +218,16 @@ def main(argv: list[str] | None = None) -> int:
                               "command": "python bench/mixed.py " + " ".join(argv or sys.argv[1:])}
     for mode in args.modes.split(","):
         print(f"mixed: {mode} ...", file=sys.stderr, flush=True)
-        rows = run_ranks(2, _serve_rank, mode == "allgather", big, small, args.after,
+        rows = run_ranks(2, _serve_rank, mode, big, small, args.after,
                          args.rounds, threads=1, timeout_s=1200)[0]
         report["modes"][mode] = summarise(rows)
     print(f"small {args.small} beside big {args.big} at dp=2 (medians of {args.rounds} rounds)")
     print(f"{'mode':<12}{'small solo':>11}{'big solo':>10}{'scheme':>10}{'small':>9}"
           f"{'x solo':>8}{'big':>9}{'x bound':>9}  holds")
     for mode, m in report["modes"].items():
-        for name in ("lockstep", "sliced"):
+        for name in ("lockstep", "sliced", "own_pace"):
+            if name not in m:
+                continue
             r = m[name]
             print(f"{mode:<12}{m['small_solo_s']:>11.3f}{m['big_solo_s']:>10.2f}{name:>10}"
                   f"{r['small_s']:>9.3f}{r['small_over_solo']:>8.2f}{r['big_s']:>9.2f}"

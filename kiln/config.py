@@ -26,6 +26,9 @@ class WorkerConfig:
     model: str = "kiln-tiny"
     device: str = "cpu"  # cpu | cuda | npu
     use_allgather: bool = True
+    # Replicas step at their own pace where the weights allow it (no gathers: rank-local,
+    # every block resident); False: the group turns in lock-step whatever the mode.
+    own_pace: bool = True
     poll_seconds: float = 0.05  # longest an idle coordinator waits for a wake before it looks
     idle_tick_seconds: float = 1.0  # longest an idle rank waits in a collective
     report_seconds: float = 2.0  # how often the group reports itself (memory, current jobs)

@@ -223,17 +223,23 @@ class Coordinator:
         # While any rank's output store fails: why (no claims meanwhile; its finished jobs wait).
         self.store_error: str | None = None
         self.full_ranks: set[int] = set()  # ranks holding all the finished jobs they may
+        # Each rank's latest report (in lock-step every rank reports every turn; at their own
+        # pace the ranks report when they step, each on its own).
+        self.rank_reports: dict[int, RankReport] = {}
+        self.own_pace = False
         self._backoff = 0.0  # seconds claims pause after the last outage error
         self._claims_resume_at = 0.0  # by the clock
         self._last_report = -float("inf")
         self._last_work = clock()
         self.leases = LeaseKeeper(self, lease_seconds)
 
-    def start(self, memory: dict[str, Any]) -> None:
+    def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
+        self.own_pace = own_pace
         self.report([memory], state="starting")
         self.leases.start()
-        log.info("worker group %s: %d rank(s) (%s), model %s, %s, goal %s", self.group_id,
-                 self.world, self.layout, self.config.model, self.mode, self.goal)
+        log.info("worker group %s: %d rank(s) (%s), model %s, %s, goal %s, replicas %s",
+                 self.group_id, self.world, self.layout, self.config.model, self.mode, self.goal,
+                 "at their own pace" if own_pace else "in lock-step")
 
     def stop(self, memory: dict[str, Any], *, failed: bool = False) -> None:
         """The loop is over. Normally the jobs still held go back to the queue. After a
@@ -327,7 +333,8 @@ class Coordinator:
         """Which replicas compute this turn, and which job each runs (`scheduler.turns`); a
         job suspended for another, or continued after one, is noted in its events."""
         now = self.clock()
-        turn = choose_turn([h.held_job(now) for h in self.held.values()], self.turns)
+        turn = choose_turn([h.held_job(now) for h in self.held.values()], self.turns,
+                           shared=not self.own_pace)
         plan.run = turn.run
         running = set(turn.run.values())
         for job_id, h in self.held.items():
@@ -438,11 +445,13 @@ class Coordinator:
                 continue
             self.writing.pop(m.job_id, None)
             self._finish(m)
-        self._note_writers([m for m in messages if isinstance(m, RankReport)])
+        self.rank_reports.update((m.rank, m) for m in messages
+                                 if isinstance(m, RankReport) and m.memory)
+        self._note_writers(list(self.rank_reports.values()))
         self._track()
         now = self.clock()
         if now - self._last_report >= self.config.report_seconds:
-            self.report([m.memory for m in messages if isinstance(m, RankReport) and m.memory])
+            self.report([dict(m.memory) for m in self.rank_reports.values()])
             self._last_report = now
 
     def _heartbeat(self, st: Progress) -> None:
@@ -482,7 +491,6 @@ class Coordinator:
         given no new job. While any rank's output store fails, the group claims nothing (the
         finished jobs wait for the store, their leases kept, and are not rendered again) and
         reports itself degraded; claims resume once every rank's writes go through."""
-        ranks = [r for r in ranks if r.memory]
         if not ranks:
             return
         self.full_ranks = {st.rank for st in ranks if not st.takes_jobs}

@@ -113,7 +113,8 @@ def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> No
     coordinator = None
     if ctx.rank == 0:
         coordinator = make_coordinator(settings, config, layout, platform.name)
-    run_loop(ctx.rank, ctx.world, loop, coordinator, ctx.stop)
+    run_loop(ctx.rank, ctx.world, loop, coordinator, ctx.stop, own_pace=config.own_pace,
+             peer_timeout_s=config.collective_timeout_seconds)
 
 
 def make_coordinator(settings: Settings, config: WorkerConfig, layout: Layout,

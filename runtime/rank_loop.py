@@ -50,10 +50,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from common.procs import cgroup_memory_bytes
 from runtime import resume
+from runtime.mailbox import Mailbox, open_mailbox
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
 from runtime.render import frames_to_uint8, memory_figures
 from runtime.sequence import SOLO, Layout
@@ -230,8 +232,10 @@ class _Held:
 class GroupDriver(Protocol):
     """What rank 0 consults every turn: the service's side of the loop."""
 
-    def start(self, memory: dict[str, Any]) -> None:
-        """The group has loaded its model (rank 0's memory figures)."""
+    def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
+        """The group has loaded its model (rank 0's memory figures). ``own_pace``: its replicas
+        step at their own pace (`next_plan` is then called whenever a replica has reported,
+        and its ``run`` and ``step`` are a replica's choice of job, not a turn's)."""
 
     def next_plan(self, stop_requested: bool) -> StepPlan:
         """The orders for the next turn; may wait (briefly) for work."""
@@ -267,6 +271,8 @@ class RankLoop:
         # is ``current`` (the last taken, unless the plan names another).
         self.jobs: list[_Job] = []
         self.current: _Job | None = None
+        # Set by `run_loop`: this replica steps at its own pace (`_own_pace_turns`).
+        self.own_pace = False
         # Checkpoints of the jobs' denoising states: read by every rank of a replica when it
         # takes a job (it resumes where an earlier attempt stopped), written by the leader
         # every ``checkpoint_every_steps`` steps or ``checkpoint_every_seconds`` (whichever
@@ -348,13 +354,26 @@ class RankLoop:
                 ended.append(Ended(rank=self.rank, job_id=ticket.job_id,
                                    attempt_token=ticket.attempt_token, outcome="failed",
                                    error=f"could not start: {exc}"))
-        if plan.run is None:
-            self.current = self.jobs[-1] if self.jobs else None
+        chosen_id = plan.run.get(self.slot) if plan.run is not None else None
+        chosen = next((j for j in self.jobs if j.ticket.job_id == chosen_id), None)
+        if self.own_pace:
+            # The orders may be older than what the replica did since (the job they name has
+            # ended): a replica at its own pace always runs one of its jobs.
+            if chosen is not None:
+                self.current = chosen
+            elif ticket is not None or self.current not in self.jobs:
+                self.pick()
+        elif plan.run is None:
+            self.pick()
         else:
-            chosen = plan.run.get(self.slot)
-            self.current = next((j for j in self.jobs if j.ticket.job_id == chosen), None)
+            self.current = chosen
         # The replica's other ranks end its job with it; the leader speaks for them.
         return ended if self.leads else []
+
+    def pick(self) -> None:
+        """The job this rank computes next when nobody chose: the last it took (a job handed to
+        a busy replica runs before the one it found there)."""
+        self.current = self.jobs[-1] if self.jobs else None
 
     def _take(self, ticket: Ticket) -> _Job:
         """A new job's state: from the newest checkpoint of an earlier attempt when there is a
@@ -426,6 +445,13 @@ class RankLoop:
         return Rendered(rank=self.rank, job_id=final.job_id, attempt_token=final.attempt_token,
                         num_inference_steps=final.num_inference_steps,
                         compute_seconds=final.compute_seconds)
+
+    @property
+    def holds_writes(self) -> bool:
+        """Whether this rank has finished jobs whose files are not stored yet, or whose final
+        status `written` has not handed out."""
+        with self._writes:
+            return bool(self._held or self._stored)
 
     def written(self, wait: float = 0.0) -> list[Ended]:
         """Final statuses of the jobs whose files were stored (or could not be written) since
@@ -722,51 +748,236 @@ class RankLoop:
 
 
 def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
-             stop_event: Any = None) -> None:
+             stop_event: Any = None, *, own_pace: bool = False,
+             peer_timeout_s: float | None = None) -> None:
     """Turns until the driver says stop. ``driver``: rank 0's (None on the other ranks);
-    ``stop_event``: set when the group is asked to stop after its running jobs."""
+    ``stop_event``: set when the group is asked to stop after its running jobs.
+
+    ``own_pace``: where the pipeline gathers no weights across ranks (`VideoPipeline.
+    gathers_weights` false on every rank), each replica steps at its own pace
+    (`_own_pace_turns`); else, and without it, the group turns in lock-step. ``peer_timeout_s``:
+    at its own pace, a rank that has not reported for this long fails the group (what the
+    collectives' timeout does in lock-step)."""
     # Plans and messages are small Python objects: a gloo group carries them on every platform.
     control = dist.new_group(backend="gloo") if loop.platform.is_accelerator else dist.group.WORLD
+    if own_pace:
+        own_pace = world > 1 and _agree(not loop.pipe.gathers_weights, control)
+    loop.own_pace = own_pace
     if driver is not None:
-        driver.start(loop.memory())
+        driver.start(loop.memory(), own_pace=own_pace)
     failed = True
     try:
-        while True:
-            plan_box: list[Any] = [None]
-            if driver is not None:
-                stop = bool(stop_event is not None and stop_event.is_set())
-                plan_box[0] = driver.next_plan(stop)
-            dist.broadcast_object_list(plan_box, src=0, group=control)
-            plan: StepPlan = plan_box[0]
-            if plan.stop:
-                # The jobs still held go back to the queue when rank 0's driver stops: each
-                # is checkpointed first, and every rank waits for the others' checkpoints.
-                loop.checkpoint_all()
-                dist.barrier(group=control)
-                break
-            messages: list[RankMessage] = list(loop.apply(plan))
-            if plan.step:
-                # Every rank, in step: which transformers some rank's job runs this step (a
-                # rank that sits the turn out needs none).
-                active = agree_handles(loop.pipe, loop.state, group=control)
-                ended = loop.step(active)
-                if ended is not None:
-                    messages.append(ended)
-            # Files stored meanwhile; a turn without a step waits a little for them.
-            messages.extend(loop.written(wait=0.0 if plan.step else WRITE_WAIT_SECONDS))
-            if loop.leads:
-                messages.extend(loop.progress())
-            messages.append(loop.report())
-            gathered: list[Any] = [None] * world if rank == 0 else []
-            dist.gather_object(messages, gathered if rank == 0 else None, dst=0, group=control)
-            loop.reported()
-            if driver is not None:
-                driver.record([st for per_rank in gathered for st in per_rank])
+        if own_pace:
+            _own_pace_turns(rank, loop, driver, stop_event, control, peer_timeout_s)
+        else:
+            _lockstep_turns(rank, world, loop, driver, stop_event, control)
         failed = False
     finally:
         if driver is not None:
             driver.stop(loop.memory(), failed=failed)
         loop.close()
+
+
+def _agree(flag: bool, group: Any) -> bool:
+    """True when ``flag`` is true on every rank of ``group``."""
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+def _lockstep_turns(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
+                    stop_event: Any, control: Any) -> None:
+    """Every rank, every turn: rank 0's plan by broadcast, one step (or an idle one) of every
+    rank, the messages gathered on rank 0."""
+    while True:
+        plan_box: list[Any] = [None]
+        if driver is not None:
+            stop = bool(stop_event is not None and stop_event.is_set())
+            plan_box[0] = driver.next_plan(stop)
+        dist.broadcast_object_list(plan_box, src=0, group=control)
+        plan: StepPlan = plan_box[0]
+        if plan.stop:
+            # The jobs still held go back to the queue when rank 0's driver stops: each
+            # is checkpointed first, and every rank waits for the others' checkpoints.
+            loop.checkpoint_all()
+            dist.barrier(group=control)
+            return
+        messages: list[RankMessage] = list(loop.apply(plan))
+        if plan.step:
+            # Every rank, in step: which transformers some rank's job runs this step (a
+            # rank that sits the turn out needs none).
+            active = agree_handles(loop.pipe, loop.state, group=control)
+            ended = loop.step(active)
+            if ended is not None:
+                messages.append(ended)
+        # Files stored meanwhile; a turn without a step waits a little for them.
+        messages.extend(loop.written(wait=0.0 if plan.step else WRITE_WAIT_SECONDS))
+        if loop.leads:
+            messages.extend(loop.progress())
+        messages.append(loop.report())
+        gathered: list[Any] = [None] * world if rank == 0 else []
+        dist.gather_object(messages, gathered if rank == 0 else None, dst=0, group=control)
+        loop.reported()
+        if driver is not None:
+            driver.record([st for per_rank in gathered for st in per_rank])
+
+
+def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_event: Any,
+                    control: Any, peer_timeout_s: float | None) -> None:
+    """Every rank steps its replica's job as fast as it goes, with no collective between
+    replicas: the orders for the replica come from its queue in the mailbox (between two steps,
+    without waiting while it has a job), and the rank's messages go to rank 0's after every
+    step. Rank 0's `_Conductor` thread turns the driver's plans into each replica's orders and
+    hands it the messages. A replica of several ranks (sp > 1) stays in step within itself: its
+    first rank broadcasts the orders it took to the others on the replica's own group."""
+    layout = loop.layout
+    mailbox = open_mailbox(rank, control)
+    replica_group = _replica_group(rank, layout)
+    conductor = None
+    if driver is not None:
+        conductor = _Conductor(driver, mailbox.clone(), layout, stop_event, peer_timeout_s)
+        conductor.start()
+    try:
+        while True:
+            if conductor is not None and conductor.error is not None:
+                raise RuntimeError("the group's coordinator failed") from conductor.error
+            orders: list[StepPlan] = []
+            if loop.leads:
+                orders = mailbox.orders(loop.slot, wait=_order_wait(loop))
+            if replica_group is not None:
+                box: list[Any] = [orders]
+                dist.broadcast_object_list(box, src=loop.slot, group=replica_group)
+                orders = box[0]
+            messages: list[RankMessage] = []
+            if any(plan.stop for plan in orders):
+                loop.checkpoint_all()
+                break
+            for plan in orders:
+                messages.extend(loop.apply(plan))
+            if loop.current is None:
+                loop.pick()
+            stepped = loop.current is not None
+            if stepped:
+                assert loop.state is not None
+                ended = loop.step(loop.pipe.handles_needed(loop.state))
+                if ended is not None:
+                    messages.append(ended)
+            messages.extend(loop.written())
+            if loop.leads:
+                messages.extend(loop.progress())
+            messages.append(loop.report())
+            mailbox.report(messages)
+            loop.reported()
+    finally:
+        if conductor is not None:
+            conductor.close()
+    # Every replica has checkpointed what it held before rank 0's driver hands it back.
+    dist.barrier(group=control)
+    if conductor is not None and conductor.error is not None:
+        raise RuntimeError("the group's coordinator failed") from conductor.error
+
+
+# How long a rank at its own pace waits for orders: not at all while it has a job; briefly
+# while its writer thread stores a job's files (their final status goes out as soon as they are
+# stored); else up to IDLE_REPORT_SECONDS, then it reports itself all the same (rank 0 hears
+# from every rank at least that often).
+WRITE_POLL_SECONDS = 0.02
+IDLE_REPORT_SECONDS = 0.5
+
+
+def _order_wait(loop: RankLoop) -> float:
+    if loop.jobs:
+        return 0.0
+    return WRITE_POLL_SECONDS if loop.holds_writes else IDLE_REPORT_SECONDS
+
+
+def _replica_group(rank: int, layout: Layout) -> Any:
+    """The gloo group of this rank's replica, when it has more than one rank (every rank
+    creates every replica's group, in the same order)."""
+    if layout.sp == 1:
+        return None
+    mine = None
+    for replica in range(layout.dp):
+        ranks = layout.ranks(replica)
+        group = dist.new_group(ranks, backend="gloo")
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+class _Conductor:
+    """Rank 0's thread while the replicas keep their own pace: the driver's plans, split into
+    each replica's orders; the ranks' messages, handed to the driver as they come. A rank that
+    has not reported for ``peer_timeout_s`` is lost: the thread fails, and so does the group."""
+
+    def __init__(self, driver: GroupDriver, mailbox: Mailbox, layout: Layout, stop_event: Any,
+                 peer_timeout_s: float | None) -> None:
+        self.driver = driver
+        self.mailbox = mailbox
+        self.layout = layout
+        self.stop_event = stop_event
+        self.peer_timeout_s = peer_timeout_s
+        self.error: BaseException | None = None
+        self._closing = threading.Event()
+        self._ran: dict[int, str] = {}  # replica -> the job its last orders named to run
+        self._heard = dict.fromkeys(range(layout.world), time.monotonic())
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kiln-conductor")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Ends the thread (it has sent the stop, or the rank is failing) and waits for it."""
+        self._closing.set()
+        self._thread.join(timeout=CLOSE_WAIT_SECONDS + 30)
+
+    def _run(self) -> None:
+        try:
+            while not self._closing.is_set():
+                stop = bool(self.stop_event is not None and self.stop_event.is_set())
+                plan = self.driver.next_plan(stop)
+                self._send(plan)
+                if plan.stop:
+                    return
+                messages = self.mailbox.reports(wait=REPORT_WAIT_SECONDS)
+                self._check_peers(messages)
+                self.driver.record(messages)
+        except BaseException as exc:  # noqa: BLE001 - rank 0's loop raises it
+            log.exception("the group's coordinator failed")
+            self.error = exc
+
+    def _send(self, plan: StepPlan) -> None:
+        """Each replica's part of ``plan``: its new job, the job to run when that changes, and
+        the drops, hand-backs and abandons (a replica ignores the jobs it does not hold)."""
+        for replica in self.layout.leaders:
+            part = StepPlan(drop=plan.drop, hand_back=plan.hand_back, abandon=plan.abandon,
+                            stop=plan.stop)
+            ticket = plan.assign.get(replica)
+            if ticket is not None:
+                part.assign = {replica: ticket}
+                self._ran.pop(replica, None)  # the replica runs its new job first
+            run = plan.run.get(replica) if plan.run is not None else None
+            if run is not None and run != self._ran.get(replica):
+                part.run = {replica: run}
+                self._ran[replica] = run
+            if (part.assign or part.run or part.drop or part.hand_back or part.abandon
+                    or part.stop):
+                self.mailbox.send(replica, [part])
+
+    def _check_peers(self, messages: list[RankMessage]) -> None:
+        now = time.monotonic()
+        for m in messages:
+            self._heard[m.rank] = now
+        if self.peer_timeout_s is None:
+            return
+        silent = {r: now - t for r, t in self._heard.items() if now - t > self.peer_timeout_s}
+        if silent:
+            r = min(silent)
+            raise RuntimeError(f"rank {r} has not reported for {silent[r]:.0f} s: lost")
+
+
+# The longest rank 0's coordinator waits for the ranks' messages before it plans again.
+REPORT_WAIT_SECONDS = 0.05
 
 
 def _one_line(exc: BaseException) -> str:

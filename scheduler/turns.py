@@ -91,8 +91,11 @@ def _class_rank(job: HeldJob) -> int:
     return 0 if job.job_class == INTERACTIVE else 1
 
 
-def choose_turn(held: Iterable[HeldJob], config: TurnConfig | None = None) -> Turn:
-    """The turn's choice for the jobs the group holds (see the module docstring)."""
+def choose_turn(held: Iterable[HeldJob], config: TurnConfig | None = None, *,
+                shared: bool = True) -> Turn:
+    """The turn's choice for the jobs the group holds (see the module docstring). ``shared``
+    False: the replicas keep their own pace (no turn is shared: a replica's step never waits
+    for another's), so only rule 1 applies and every replica holding a job computes."""
     config = config or TurnConfig()
     by_replica: dict[int, list[HeldJob]] = {}
     for job in calibrated(list(held)):
@@ -107,7 +110,7 @@ def choose_turn(held: Iterable[HeldJob], config: TurnConfig | None = None) -> Tu
             if job is not first:
                 turn.waiting[job.job_id] = f"suspended for job {first.job_id}"
     interactive = [j.measured or 0.0 for j in chosen.values() if j.job_class == INTERACTIVE]
-    bound = max(interactive) * (1 + config.slack) if interactive else None
+    bound = max(interactive) * (1 + config.slack) if interactive and shared else None
     for replica, job in chosen.items():
         computes = (bound is None or job.job_class == INTERACTIVE
                     or (job.measured or 0.0) <= bound

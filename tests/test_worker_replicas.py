@@ -64,7 +64,7 @@ class ScriptedDriver:
         self.turns: list[list[dict[str, Any]]] = []
         self.sent_long = self.cancelled = self.done = False
 
-    def start(self, memory: dict[str, Any]) -> None:
+    def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
         pass
 
     def next_plan(self, stop_requested: bool) -> StepPlan:

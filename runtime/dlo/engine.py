@@ -489,6 +489,12 @@ class DLOHandle:
         return len(self._streamed)
 
     @property
+    def gathers(self) -> bool:
+        """Whether a forward gathers blocks across ranks (allgather mode with blocks that
+        stream): then every rank of the weight group must run the same forwards, in step."""
+        return self.config.use_allgather and self.config.world_size > 1 and bool(self._streamed)
+
+    @property
     def num_acquired(self) -> int:
         """Blocks acquired so far; equal on every rank at every step boundary."""
         return self._num_acquired

@@ -159,6 +159,13 @@ class VideoPipeline(abc.ABC):
         ``state`` as it was, when they do not fit it (another shape, dtype or scheduler)."""
         resumable.load(state, self.resume_keys, tensors, values)
 
+    @property
+    def gathers_weights(self) -> bool:
+        """Whether its steps gather weights across ranks (a transformer streamed in allgather
+        mode): then every rank of the group runs every step, in step, job or no job. Without
+        gathers a replica's step is its own (rank-local weights, every block resident)."""
+        return any(h is not None and h.gathers for h in self.handles)
+
     def handles_needed(self, state: DenoiseState) -> list[bool]:
         """Per entry of ``handles``: whether this job's next step runs that transformer."""
         return [True] * len(self.handles)

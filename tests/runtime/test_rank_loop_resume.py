@@ -77,7 +77,7 @@ class Script:
         self.messages: list[Progress | Ended] = []
         self.handed_back = self.reassigned = self.sent_c = False
 
-    def start(self, memory: dict[str, Any]) -> None:
+    def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
         pass
 
     def next_plan(self, stop_requested: bool) -> StepPlan:
@@ -204,7 +204,7 @@ class OneAfterAnother:
         self.messages: list[Progress | Ended] = []
         self.busy = False
 
-    def start(self, memory: dict[str, Any]) -> None:
+    def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
         pass
 
     def next_plan(self, stop_requested: bool) -> StepPlan:
