@@ -4,6 +4,11 @@ Values come from the environment (prefix ``KILN_``; ``DATABASE_URL`` and ``REDIS
 accepted unprefixed because every hosting platform sets those) or a ``.env`` file. The defaults run
 on a laptop: a SQLite file and an output directory under ``./var``. Only the environment does not
 default to the laptop's (``local``): `kiln up` sets it for its children.
+
+Secrets (the S3 secret key, the webhook signing secret) are `SecretStr`: a repr, a log line or a
+traceback of the settings shows ``**********``, and code that uses one asks for it by name
+(``.get_secret_value()``). The database and Redis URLs stay plain strings for the libraries that
+take them; kiln prints them with the password hidden.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Values copied from an example file that must never reach a shared deployment.
@@ -53,7 +58,7 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = None  # for S3-compatible servers (MinIO, Ceph, R2, ...)
     s3_region: str | None = None
     s3_access_key_id: str | None = None
-    s3_secret_access_key: str | None = None
+    s3_secret_access_key: SecretStr | None = None
     # Presigned download links for S3 outputs live this long.
     url_expires_seconds: int = Field(default=3600, ge=1)
 
@@ -146,7 +151,7 @@ class Settings(BaseSettings):
     reaper_interval_seconds: float = Field(default=15.0, gt=0)
     # Webhooks: a job that reaches a final state with a webhook_url gets one POST, signed with
     # HMAC-SHA256 under this secret (header Kiln-Signature); unset: sent unsigned.
-    webhook_secret: str | None = None
+    webhook_secret: SecretStr | None = None
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     # Attempts per delivery; retries wait webhook_backoff_seconds, doubling up to the maximum.
     webhook_max_attempts: int = Field(default=8, ge=1)
@@ -184,8 +189,8 @@ class Settings(BaseSettings):
         if self.webhook_backoff_max_seconds >= self.celery_visibility_timeout_seconds:
             raise ValueError("webhook_backoff_max_seconds must be below "
                              "celery_visibility_timeout_seconds (a retry would run twice)")
-        self._check_secret("s3_secret_access_key", self.s3_secret_access_key)
-        self._check_secret("webhook_secret", self.webhook_secret)
+        self._check_secret("s3_secret_access_key", _plain(self.s3_secret_access_key))
+        self._check_secret("webhook_secret", _plain(self.webhook_secret))
         self._check_secret("database_url password", urlsplit(self.database_url).password)
         if self.redis_url is not None:
             self._check_secret("redis_url password", urlsplit(self.redis_url).password)
@@ -203,6 +208,10 @@ class Settings(BaseSettings):
     @property
     def default_model(self) -> str:
         return self.models[0]
+
+
+def _plain(secret: SecretStr | None) -> str | None:
+    return None if secret is None else secret.get_secret_value()
 
 
 @lru_cache

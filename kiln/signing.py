@@ -22,6 +22,7 @@ import hmac
 import time
 from datetime import UTC, datetime
 
+from pydantic import SecretStr
 from standardwebhooks import Webhook
 
 HEADER = "Kiln-Signature"
@@ -38,13 +39,18 @@ def standard_secret(secret: str) -> str:
     return WHSEC_PREFIX + base64.b64encode(secret.encode()).decode()
 
 
-def standard_headers(secret: str, msg_id: str, body: bytes,
+def _plain(secret: str | SecretStr) -> str:
+    # The settings hold the secret as a SecretStr (kept out of reprs and logs).
+    return secret.get_secret_value() if isinstance(secret, SecretStr) else secret
+
+
+def standard_headers(secret: str | SecretStr, msg_id: str, body: bytes,
                      timestamp: int | None = None) -> dict[str, str]:
     """The Standard Webhooks headers for ``body``, the event ``msg_id``, sent at ``timestamp``
     (now by default)."""
     timestamp = int(time.time()) if timestamp is None else timestamp
     at = datetime.fromtimestamp(timestamp, UTC)
-    signature = Webhook(standard_secret(secret)).sign(msg_id, at, body.decode())
+    signature = Webhook(standard_secret(_plain(secret))).sign(msg_id, at, body.decode())
     return {"webhook-id": msg_id, "webhook-timestamp": str(timestamp),
             "webhook-signature": signature}
 
@@ -54,10 +60,10 @@ def digest(secret: str, body: bytes, timestamp: int) -> str:
     return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
-def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
+def sign(secret: str | SecretStr, body: bytes, timestamp: int | None = None) -> str:
     """The header value for ``body`` sent at ``timestamp`` (now by default)."""
     timestamp = int(time.time()) if timestamp is None else timestamp
-    return f"t={timestamp},v1={digest(secret, body, timestamp)}"
+    return f"t={timestamp},v1={digest(_plain(secret), body, timestamp)}"
 
 
 def verify(secret: str, body: bytes, header: str, *,

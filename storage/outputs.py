@@ -237,12 +237,13 @@ def make_store(settings: Settings) -> OutputStore:
     if settings.storage_url is None:
         return LocalStore(settings.output_dir)
     parts = urlsplit(settings.storage_url)
+    secret = settings.s3_secret_access_key
     kwargs = {
         k: v for k, v in {
             "endpoint_url": settings.s3_endpoint_url,
             "region_name": settings.s3_region,
             "aws_access_key_id": settings.s3_access_key_id,
-            "aws_secret_access_key": settings.s3_secret_access_key,
+            "aws_secret_access_key": None if secret is None else secret.get_secret_value(),
         }.items() if v is not None
     }
     return S3Store(parts.netloc, parts.path, url_expires_seconds=settings.url_expires_seconds,
