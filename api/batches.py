@@ -216,8 +216,9 @@ def specs_from_submission(sub: Submission, s: Settings, now: datetime) -> list[J
     if metadata_bytes(body.metadata) > s.max_metadata_bytes:
         raise _invalid([_problem("metadata", f"at most {s.max_metadata_bytes} bytes as JSON")])
     # Literal addresses only, as for a job's; names are resolved and checked when it is sent.
-    if body.webhook_url is not None and not netguard.private_allowed(s):
-        reason = netguard.literal_refusal(str(body.webhook_url))
+    if body.webhook_url is not None:
+        reason = netguard.submit_refusal(str(body.webhook_url),
+                                         private_allowed=netguard.private_allowed(s))
         if reason is not None:
             raise _invalid([_problem("webhook_url", reason)])
     window = ({name: getattr(body.window, name) for name in _WINDOW_FIELDS

@@ -209,8 +209,9 @@ def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
         elif spec.not_before is not None and spec.deadline <= spec.not_before:
             p.add("deadline", "must be after not_before")
     # Literal addresses only; names are resolved and checked again when the webhook is sent.
-    if spec.webhook_url is not None and not netguard.private_allowed(s):
-        reason = netguard.literal_refusal(spec.webhook_url)
+    if spec.webhook_url is not None:
+        reason = netguard.submit_refusal(spec.webhook_url,
+                                         private_allowed=netguard.private_allowed(s))
         if reason is not None:
             p.add("webhook_url", reason)
 

@@ -109,7 +109,8 @@ class JobCreate(BaseModel):
         description="POSTed once the job ends (signed with KILN_WEBHOOK_SECRET). Outside a "
                     "local deployment (KILN_WEBHOOK_ALLOW_PRIVATE), loopback, private and "
                     "link-local addresses are refused: a 422 for such an IP, and no POST to "
-                    "a name that resolves to one.")] | None = None
+                    "a name that resolves to one. A URL with a user name or password is "
+                    "refused everywhere.")] | None = None
     webhook_events: Annotated[list[WebhookEvent], Field(
         max_length=16,
         description="the events POSTed to webhook_url: job.started, job.progress (at most "

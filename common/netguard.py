@@ -5,18 +5,21 @@ so an unscreened URL would let a user make kiln call internal services (the clou
 endpoint, an admin port on localhost, a database on the private network). Unless
 ``webhook_allow_private`` allows it, kiln posts only to http(s) URLs whose addresses are public:
 
-* at submit time (`literal_refusal`): a host that is an IP literal in a refused range, or
+* at submit time (`submit_refusal`): a host that is an IP literal in a refused range, or
   ``localhost``, is refused with a 422. Names are not resolved there: DNS may answer differently
-  by delivery time anyway, and a submit must not wait on it.
-* at delivery time (`resolved_refusal`): the host is resolved and the POST is not sent when any
-  of its addresses is refused.
+  by delivery time anyway, and a submit must not wait on it. A URL with credentials in it
+  (``http://user@host/``) is refused in every environment: they would go out as an
+  ``Authorization`` header and sit in the job row, the dashboard and the logs.
+* at delivery time (`resolve`): the host is resolved once and the POST is not sent when any of
+  its addresses is refused; `kiln.webhook_client` then connects to one of those very addresses.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from urllib.parse import SplitResult, urlsplit
 
 from common.settings import Settings
 
@@ -25,6 +28,9 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 SCHEMES = ("http", "https")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")  # well-known NAT64 prefix: an IPv4 in the low bits
 _METADATA = ipaddress.ip_address("169.254.169.254")
+# Deprecated IPv6 site-local (RFC 3879), still routed inside some networks; Python's is_global
+# and is_private leave it out.
+_SITE_LOCAL = ipaddress.ip_network("fec0::/10")
 
 
 def private_allowed(s: Settings) -> bool:
@@ -56,6 +62,8 @@ def address_refusal(addr: IPAddress) -> str | None:
         return None if reason is None else f"{reason} (as {addr})"
     if addr == _METADATA:
         return f"{addr} is the cloud metadata address"
+    if addr in _SITE_LOCAL:
+        return f"{addr} is a site-local address"
     for refused, what in ((addr.is_unspecified, "an unspecified"), (addr.is_loopback, "a loopback"),
                           (addr.is_link_local, "a link-local"), (addr.is_multicast, "a multicast"),
                           (addr.is_private, "a private"), (addr.is_reserved, "a reserved")):
@@ -70,17 +78,33 @@ def _host(url: str) -> str:
     return (urlsplit(url).hostname or "").rstrip(".")
 
 
+def _has_userinfo(parts: SplitResult) -> bool:
+    return "@" in parts.netloc
+
+
 def _form_refusal(url: str) -> str | None:
-    if urlsplit(url).scheme.lower() not in SCHEMES:
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in SCHEMES:
         return "must be an http or https URL"
+    if _has_userinfo(parts):
+        return "must not carry a user name or password (user@host): they would be sent and stored"
     if not _host(url):
         return "must name a host"
     return None
 
 
+def submit_refusal(url: str, *, private_allowed: bool) -> str | None:
+    """Why ``url`` is refused as a webhook at submit time: credentials in it (always), or, when
+    private destinations are not allowed, `literal_refusal`. None: accepted."""
+    if _has_userinfo(urlsplit(url)):
+        return _form_refusal(url)
+    return None if private_allowed else literal_refusal(url)
+
+
 def literal_refusal(url: str) -> str | None:
-    """Why ``url`` is refused without resolving anything: not http(s), no host, ``localhost``, or
-    an IP literal in a refused range. None: acceptable as far as can be told without DNS."""
+    """Why ``url`` is refused without resolving anything: not http(s), credentials in it, no
+    host, ``localhost``, or an IP literal in a refused range. None: acceptable as far as can be
+    told without DNS."""
     reason = _form_refusal(url)
     if reason is not None:
         return reason
@@ -95,25 +119,40 @@ def literal_refusal(url: str) -> str | None:
     return None if reason is None else f"{reason}; webhooks go to public addresses only"
 
 
-def resolved_refusal(url: str) -> str | None:
-    """Why kiln must not POST to ``url`` now: not http(s), or its host is a refused IP literal
-    or a name that resolves to any refused address. Raises `OSError` (`socket.gaierror`) when the
-    host does not resolve.
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """The addresses a webhook may be sent to, or why it may not be sent at all."""
 
-    The POST that follows resolves the name again (resolve, then connect), so a name whose DNS
-    answer changes in between (DNS rebinding, short TTLs) can still reach a refused address;
-    closing that window needs connecting to the checked address itself."""
+    addresses: tuple[IPAddress, ...]  # in the resolver's order of preference; empty if refused
+    refused: str | None  # why nothing may be posted; None: any of ``addresses`` will do
+
+
+def resolve(url: str, *, private_allowed: bool) -> Resolved:
+    """``url``'s host resolved once (an IP literal as itself) and, unless ``private_allowed``,
+    every address checked: one refused address refuses them all. Raises `OSError`
+    (`socket.gaierror`) when the host does not resolve.
+
+    The caller connects to one of these addresses itself (`kiln.webhook_client`): resolving the
+    name again for the connection would let a DNS answer that changed in between (rebinding,
+    short TTLs) reach an address that was never checked."""
     reason = _form_refusal(url)
     if reason is not None:
-        return reason
+        return Resolved(addresses=(), refused=reason)
     parts, host = urlsplit(url), _host(url)
     try:
-        return address_refusal(ipaddress.ip_address(host))
-    except ValueError:
-        pass  # a name
-    port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
-    for *_, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        reason = address_refusal(ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0]))
-        if reason is not None:
-            return f"{host} resolves to a refused address: {reason}"
-    return None
+        found: list[IPAddress] = [ipaddress.ip_address(host)]
+        named = False
+    except ValueError:  # a name
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        # A scoped IPv6 address comes as "fe80::1%eth0"; the scope does not change the range.
+        found = list(dict.fromkeys(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+                                   for info in infos))
+        named = True
+    if not private_allowed:
+        for addr in found:
+            reason = address_refusal(addr)
+            if reason is not None:
+                return Resolved(addresses=(), refused=(
+                    f"{host} resolves to a refused address: {reason}" if named else reason))
+    return Resolved(addresses=tuple(found), refused=None)

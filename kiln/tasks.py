@@ -29,7 +29,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import httpx
 from celery import Celery, Task
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
@@ -38,7 +37,8 @@ from api import batches as batch_views
 from api.schemas import BatchReport
 from common import netguard
 from common.settings import Settings, get_settings
-from kiln import signing
+from kiln import signing, webhook_client
+from kiln.webhook_client import Posted
 from scheduler import queue_index
 from scheduler.attempts import settle
 from storage import lifecycle, queries, retention, webhooks
@@ -267,16 +267,9 @@ class Delivery:
     error: str | None = None  # why this attempt did not deliver
 
 
-@dataclass(frozen=True, slots=True)
-class _Posted:
-    status: int | None  # None: no answer
-    error: str | None
-    refused: str | None  # why the destination is refused (nothing was posted)
-
-
 def _post(s: Settings, url: str, *, msg_id: str, kind: str, body: bytes, attempt: int,
-          delivery_id: str) -> _Posted:
-    """One signed POST of an event, after the destination check."""
+          delivery_id: str) -> Posted:
+    """One signed POST of an event, to a checked address (`kiln.webhook_client`)."""
     headers = {
         "Content-Type": "application/json",
         "User-Agent": USER_AGENT,
@@ -290,31 +283,12 @@ def _post(s: Settings, url: str, *, msg_id: str, kind: str, body: bytes, attempt
         headers[signing.HEADER] = signing.sign(s.webhook_secret, body, timestamp)
     else:
         headers.update({"webhook-id": msg_id, "webhook-timestamp": str(int(time.time()))})
-    error: str | None = None
-    refused: str | None = None
-    if not netguard.private_allowed(s):
-        # Resolve, then connect: httpx resolves the name again for the POST, so a DNS answer
-        # that changes in between (rebinding) can still reach a refused address. Closing
-        # that window would take connecting to the checked address itself.
-        try:
-            refused = netguard.resolved_refusal(url)
-        except (OSError, ValueError) as exc:  # no such host, or DNS is down: retried
-            error = f"could not resolve the webhook host: {exc}"[:500]
-    if refused is not None:
-        return _Posted(status=None, error=f"not sent: {refused}"[:500], refused=refused)
-    if error is not None:
-        return _Posted(status=None, error=error, refused=None)
-    try:
-        with httpx.Client(timeout=s.webhook_timeout_seconds, follow_redirects=False) as http:
-            status = http.post(url, content=body, headers=headers).status_code
-    except httpx.HTTPError as exc:
-        return _Posted(status=None, error=f"{type(exc).__name__}: {exc}"[:500], refused=None)
-    if not 200 <= status < 300:
-        error = f"the receiver answered HTTP {status}"
-    return _Posted(status=status, error=error, refused=None)
+    return webhook_client.post(url, body=body, headers=headers,
+                               private_allowed=netguard.private_allowed(s),
+                               timeout_seconds=s.webhook_timeout_seconds)
 
 
-def _retry_in(s: Settings, attempt: int, posted: _Posted) -> float | None:
+def _retry_in(s: Settings, attempt: int, posted: Posted) -> float | None:
     """Seconds until the next attempt after ``posted``; None when it delivered or when this was
     the last try: out of attempts, 410 Gone (the receiver says this endpoint will never take
     it), or a refused destination (it stays refused)."""
@@ -329,7 +303,7 @@ def _hold_seconds(s: Settings) -> float:
     return 3 * s.webhook_timeout_seconds + 30
 
 
-def _outcome(posted: _Posted, retry_in: float | None) -> str:
+def _outcome(posted: Posted, retry_in: float | None) -> str:
     """The delivery log's word for one attempt."""
     if posted.error is None:
         return "delivered"
@@ -347,7 +321,7 @@ def _log(session: Session, **attempt: Any) -> None:
 
 # ``record(posted, retry_at, at)``: settles an outbox attempt; the new state, or None when a
 # later attempt has taken over.
-Record = Callable[[_Posted, datetime | None, datetime], str | None]
+Record = Callable[[Posted, datetime | None, datetime], str | None]
 
 
 def _attempt(ctx: Context, session: Session, *, url: str, msg_id: str, kind: str, body: bytes,
@@ -391,7 +365,7 @@ def deliver(ctx: Context, job_id: str, *, now: datetime | None = None) -> Delive
             webhooks.settle_unwanted(session, job_id, attempt.number, now=now)
             return Delivery(state=webhooks.UNWANTED, attempt=attempt.number)
 
-        def record(posted: _Posted, retry_at: datetime | None, at: datetime) -> str | None:
+        def record(posted: Posted, retry_at: datetime | None, at: datetime) -> str | None:
             return webhooks.record_result(
                 session, job_id, attempt.number, delivered=posted.error is None,
                 status=posted.status, error=posted.error, retry_at=retry_at, now=at)
@@ -421,7 +395,7 @@ def deliver_batch(ctx: Context, batch_id: str, *, now: datetime | None = None) -
         body = encode(batch_payload(batch, batch_views.report(session, batch)))
         session.commit()  # no transaction stays open during the POST
 
-        def record(posted: _Posted, retry_at: datetime | None, at: datetime) -> str | None:
+        def record(posted: Posted, retry_at: datetime | None, at: datetime) -> str | None:
             state = webhooks.DELIVERED if posted.error is None else (
                 webhooks.FAILED if retry_at is None else webhooks.PENDING)
             return webhooks.settle_batch_attempt(session, batch_id, attempt.number, state,
@@ -538,31 +512,33 @@ def clean_up(ctx: Context, *, now: datetime | None = None) -> list[str]:
 
 # ---- the tasks ----------------------------------------------------------------------------------
 # The periodic ones keep no result: beat starts thousands a day and nobody reads them (the worker
-# log has their counts).
+# log has their counts). The delivery tasks have no retry bound of Celery's (max_retries=None on
+# the task; ``retry(max_retries=None)`` would mean Celery's default of 3): webhook_max_attempts,
+# counted by the outbox row or the task's own retries, decides when they stop.
 
-@app.task(name="kiln.deliver_webhook", bind=True)
+@app.task(name="kiln.deliver_webhook", bind=True, max_retries=None)
 def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
     outcome = deliver(_context(), job_id)
     if outcome.retry_in is not None:
         # The database counts the attempts and gives up; Celery only carries the wait.
-        raise self.retry(countdown=outcome.retry_in, max_retries=None)
+        raise self.retry(countdown=outcome.retry_in)
     return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
 
 
-@app.task(name="kiln.deliver_batch_webhook", bind=True)
+@app.task(name="kiln.deliver_batch_webhook", bind=True, max_retries=None)
 def deliver_batch_webhook(self: Task, batch_id: str) -> dict[str, Any]:
     outcome = deliver_batch(_context(), batch_id)
     if outcome.retry_in is not None:
-        raise self.retry(countdown=outcome.retry_in, max_retries=None)
+        raise self.retry(countdown=outcome.retry_in)
     return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
 
 
-@app.task(name="kiln.deliver_event", bind=True, ignore_result=True)
+@app.task(name="kiln.deliver_event", bind=True, ignore_result=True, max_retries=None)
 def deliver_event(self: Task, url: str, msg_id: str, kind: str, body: str) -> str:
     outcome = deliver_logged(_context(), url, msg_id, kind, body.encode(),
                              attempt=self.request.retries + 1)
     if outcome.retry_in is not None:
-        raise self.retry(countdown=outcome.retry_in, max_retries=None)
+        raise self.retry(countdown=outcome.retry_in)
     return outcome.state
 
 

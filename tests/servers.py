@@ -71,10 +71,11 @@ class Received:
 
 
 class Receiver:
-    """A webhook endpoint on 127.0.0.1 that records every POST and answers ``fail_status`` to the
-    first ``fail_first`` of them, 200 afterwards."""
+    """A webhook endpoint on ``host`` (127.0.0.1) that records every POST and answers
+    ``fail_status`` to the first ``fail_first`` of them, 200 afterwards."""
 
-    def __init__(self, *, fail_first: int = 0, fail_status: int = 500) -> None:
+    def __init__(self, *, fail_first: int = 0, fail_status: int = 500,
+                 host: str = "127.0.0.1") -> None:
         self.requests: list[Received] = []
         self.fail_first = fail_first
         self.fail_status = fail_status
@@ -98,12 +99,13 @@ class Receiver:
             def log_message(self, *args: Any) -> None:
                 pass  # keep test output clean
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer((host, 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}/hook"
 
     def wait_for(self, count: int, timeout: float = 30) -> list[Received]:
         with self.arrived:

@@ -103,6 +103,8 @@ def api(
     # Here, not at the top: the server stack loads only for `kiln api`.
     import uvicorn
 
+    from api.access_log import log_config
+
     settings = Settings()
     if settings.redis_url is None:
         raise typer.BadParameter(
@@ -111,5 +113,5 @@ def api(
     uvicorn.run(
         "api.app:app_from_env", factory=True, host=host or settings.api_host,
         port=port or settings.api_port, workers=workers, proxy_headers=True,
-        timeout_graceful_shutdown=settings.api_shutdown_grace_seconds,
+        timeout_graceful_shutdown=settings.api_shutdown_grace_seconds, log_config=log_config(),
     )

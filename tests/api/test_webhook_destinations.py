@@ -1,6 +1,7 @@
 """Webhook destinations at submit time: outside the local environment (or with
 webhook_allow_private off) a webhook_url whose host is an internal IP literal or ``localhost`` is
-refused with a 422 naming the field, for single jobs and for batches; names are not resolved."""
+refused with a 422 naming the field, for single jobs and for batches; names are not resolved. A
+URL with credentials in it is refused everywhere."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ REFUSED = [
     "http://10.0.0.1/",
     "http://192.168.1.20:8080/hook",
     "http://[fd00::1]/hook",
+    "http://[fec0::1]/",  # site-local, which Python's is_global counts as global
     "http://[::ffff:127.0.0.1]/hook",
     "http://0.0.0.0/",
     "http://localhost:8000/hook",
@@ -83,6 +85,24 @@ def test_internal_destinations_are_accepted_when_allowed(api: Api, changes: dict
         assert r.status_code == 201, (url, r.text)
 
 
+@pytest.mark.parametrize("changes", [{"environment": "production"}, {"environment": "local"}],
+                         ids=["production", "local"])
+@pytest.mark.parametrize("url", ["http://a@127.0.0.1/", "https://user:pw@hooks.example.com/k"])
+def test_credentials_in_the_url_are_refused_in_every_environment(
+        api: Api, changes: dict, url: str) -> None:
+    _configure(api, **changes)
+    before = api.snapshot()
+    r = _submit(api, url)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"] == ("webhook_url: must not carry a user name or password "
+                                  "(user@host): they would be sent and stored")
+    r = api.client.post("/v1/batches", json={"jobs": [JOB], "webhook_url": url},
+                        headers=api.auth("alice"))
+    assert r.status_code == 422, r.text
+    assert [p["field"] for p in r.json()["errors"]] == ["webhook_url"]
+    assert api.snapshot() == before
+
+
 def test_a_batch_names_the_refused_default_or_line(guarded: Api) -> None:
     def post(body: dict) -> list[dict]:
         r = guarded.client.post("/v1/batches", json=body, headers=guarded.auth("alice"))
@@ -104,7 +124,8 @@ def test_a_batch_names_the_refused_default_or_line(guarded: Api) -> None:
     ("224.0.0.1", True), ("ff02::1", True), ("0.0.0.0", True), ("::", True),
     ("240.0.0.1", True), ("255.255.255.255", True), ("100.64.0.1", True),
     ("::ffff:10.0.0.1", True), ("::ffff:169.254.169.254", True), ("2002:7f00:1::", True),
-    ("64:ff9b::a00:1", True), ("::127.0.0.1", True),
+    ("64:ff9b::a00:1", True), ("::127.0.0.1", True), ("fec0::1", True),
+    ("feff:ffff::1", True),
     ("8.8.8.8", False), ("93.184.216.34", False), ("2606:4700::1", False),
     ("::ffff:8.8.8.8", False),
 ])
