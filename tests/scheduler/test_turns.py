@@ -28,6 +28,15 @@ def test_a_dear_batch_job_sits_out_while_a_cheap_interactive_job_runs_beside_it(
     assert "paused" in turn.waiting["big"]
 
 
+def test_replicas_at_their_own_pace_all_compute_and_each_runs_its_interactive_job_first(
+        ) -> None:
+    held = [job("big", 0, step=14.0), job("small", 1, "interactive", step=0.04),
+            job("batch", 1, step=0.5, order=-1)]
+    turn = choose_turn(held, shared=False)
+    assert turn.run == {0: "big", 1: "small"} and turn.pause == set()
+    assert "suspended" in turn.waiting["batch"] and "big" not in turn.waiting
+
+
 def test_a_batch_job_about_as_cheap_as_the_interactive_one_computes_with_it() -> None:
     turn = choose_turn([job("b", 0, step=0.045), job("i", 1, "interactive", step=0.04)],
                        TurnConfig(slack=0.25))

@@ -287,6 +287,24 @@ def test_a_dear_batch_job_sits_out_while_a_cheap_interactive_one_runs_beside_it(
     assert plan.run == {1: "small"}  # big sits out: it would pace the small job's steps
 
 
+def test_replicas_at_their_own_pace_each_run_their_job_and_a_partial_report_forgets_no_rank(
+        ) -> None:
+    g = Group(dp=2)
+    g.c.own_pace = True  # what start(..., own_pace=True) sets, without the lease thread
+    g.io.submit("big", steps=50)
+    g.turn()
+    g.step_seconds["big"] = 5.0
+    g.turn()
+    g.io.submit("small", INTERACTIVE, steps=4, tokens=20)
+    g.step_seconds["small"] = 0.1
+    plan = g.turn()
+    assert plan.run == {0: "big", 1: "small"}  # nobody sits out: no turn is shared
+    # A rank at its own pace reports on its own: the other's last report still counts.
+    g.c.record([RankReport(rank=1, memory={"rank": 1}, takes_jobs=False)])
+    g.c.record([RankReport(rank=0, memory={"rank": 0})])
+    assert g.c.full_ranks == {1}
+
+
 def test_a_job_sitting_turns_out_has_a_heartbeat_a_second_and_its_cancel_still_lands() -> None:
     g, _ = small_beside_big(big_steps=50, small_steps=1000)
     g.io.beats.clear()
