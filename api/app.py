@@ -20,9 +20,10 @@ from starlette.concurrency import run_in_threadpool
 from api.deps import KeyCache
 from api.errors import BodySizeLimit, install_error_handlers
 from api.events import StreamCount
+from api.headers import SecurityHeaders
 from api.jobs import QueueRoom
 from api.metrics import make_registry
-from api.routes import batches, dashboard, events, jobs, models, system, videos
+from api.routes import batches, dashboard, docs, events, jobs, models, system, videos
 from common.settings import Settings, get_settings
 from scheduler import queue_index
 from storage.db import make_engine, make_session_factory
@@ -79,6 +80,9 @@ def create_app(
         version="0.1.0",
         summary="Batch video rendering with diffusion transformers bigger than one accelerator.",
         lifespan=lifespan,
+        # /docs is api.routes.docs (Swagger UI under a policy of its own); no ReDoc.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.engine = engine
@@ -94,6 +98,8 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        per_path={"/v1/batches": settings.max_batch_body_bytes})
+    # Outermost, so that the size limit's own refusals carry the headers too.
+    app.add_middleware(SecurityHeaders)
     app.include_router(jobs.router)
     app.include_router(batches.router)
     app.include_router(videos.router)
@@ -101,6 +107,7 @@ def create_app(
     app.include_router(dashboard.router)
     app.include_router(events.router)
     app.include_router(models.router)
+    app.include_router(docs.router)
     return app
 
 

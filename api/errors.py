@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import headers
 from storage.outages import is_database_outage
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         # The server logs the traceback (Starlette re-raises after this response is sent).
+        # Answered outside every middleware (Starlette's error middleware), so the headers
+        # api.headers.SecurityHeaders adds elsewhere are set here.
         return JSONResponse(error_body(500, "internal error; the server log has the details",
-                                       code="internal_error"), status_code=500)
+                                       code="internal_error"), status_code=500,
+                            headers=headers.COMMON)
 
     for db_error in (sqlalchemy.exc.OperationalError, sqlalchemy.exc.DBAPIError,
                      sqlalchemy.exc.TimeoutError, sqlalchemy.exc.DisconnectionError):

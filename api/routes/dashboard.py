@@ -36,10 +36,9 @@ router = APIRouter(tags=["dashboard"])
 _PAGE = Path(__file__).resolve().parent.parent / "dashboard.html"
 
 
-# The page holds user text (prompts, errors, metadata): it runs only kiln's own script.
-_PAGE_HEADERS = {"Content-Security-Policy": "script-src 'self'; object-src 'none'; "
-                                            "base-uri 'none'; frame-ancestors 'none'",
-                 "Cache-Control": "no-store"}
+# The pages hold user text (prompts, errors, metadata): their Content-Security-Policy
+# (api.headers.PAGE_POLICY, added to every HTML answer) lets them run only kiln's own scripts.
+_PAGE_HEADERS = {"Cache-Control": "no-store"}
 
 
 class Failure(BaseModel):
