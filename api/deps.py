@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio.to_thread
@@ -74,16 +75,21 @@ def _unauthorized(reason: str) -> HTTPException:
     )
 
 
-async def get_current_user(request: Request, session: SessionDep) -> User:
-    # A coroutine: a key found in the cache (most requests) costs no thread-pool hop; only
-    # the lookup of a new key goes to the pool.
+def bearer_key(request: Request) -> str:
+    """The key of the request's ``Authorization: Bearer`` header; 401 without one."""
     header = request.headers.get("authorization")
     if not header:
         raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise _unauthorized("Authorization must be 'Bearer <key>'")
-    return await _user_for_key(request, key.strip(), session)
+    return key.strip()
+
+
+async def get_current_user(request: Request, session: SessionDep) -> User:
+    # A coroutine: a key found in the cache (most requests) costs no thread-pool hop; only
+    # the lookup of a new key goes to the pool.
+    return await _user_for_key(request, bearer_key(request), session)
 
 
 async def _user_for_key(request: Request, key: str, session: Session | None) -> User:
@@ -104,21 +110,25 @@ async def _user_for_key(request: Request, key: str, session: Session | None) -> 
     return user
 
 
-async def get_stream_user(request: Request) -> User:
-    """The user of a long-lived stream (``GET /v1/events``): the Bearer key, or the ``key`` query
-    parameter (a browser's EventSource cannot set headers). It holds no session: the stream
-    must not keep a database connection."""
-    header = request.headers.get("authorization")
-    if header:
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise _unauthorized("Authorization must be 'Bearer <key>'")
-    else:
-        key = request.query_params.get("key", "")
-        if not key.strip():
-            raise _unauthorized("missing API key: send 'Authorization: Bearer <key>' or "
-                                "'?key=<key>'")
-    return await _user_for_key(request, key.strip(), None)
+async def get_stream_user(request: Request) -> StreamUser:
+    """The user of a long-lived stream (``GET /v1/events``), by the Bearer key like every other
+    route, and the key itself: the stream checks it again while it runs (a revoked key's stream
+    ends). It holds no session: the stream must not keep a database connection.
+
+    A key in the query string is refused (400): a URL ends up in access logs, proxies' logs and
+    browser history."""
+    if "key" in request.query_params:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST,
+                            "the API key goes in the header 'Authorization: Bearer <key>', not "
+                            "in the URL (a URL is logged)")
+    key = bearer_key(request)
+    return StreamUser(await _user_for_key(request, key, None), key)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamUser:
+    user: User
+    key: str  # checked again every api_key_cache_seconds while the stream is open
 
 
 def _authenticate_alone(session_factory: Any, key: str) -> User | None:

@@ -11,6 +11,10 @@ polls), and sends:
   group at the start of a stream; groups are no one's, as in ``GET /v1/workers``);
 - ``batch``: a batch's counts and progress, after one of its jobs changed state.
 
+The stream checks its key again every ``api_key_cache_seconds`` (in the poll that falls due, on
+the poll's own session) and ends, with a comment that says why, once the key no longer
+authenticates: a revoked key loses its open streams as soon as its other requests.
+
 Every message has an ``id:``, the job-event cursor (`storage.feed.EventCursor.watermark`), so a
 reconnect with ``Last-Event-ID`` resumes after the job events already delivered; progress, group
 and batch messages are snapshots, sent again as they change. ``data:`` is one JSON object whose
@@ -36,6 +40,7 @@ from common.settings import Settings
 from storage import feed
 from storage.outages import is_database_outage
 from storage.tables import Batch, User, utcnow
+from storage.users import authenticate
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +57,28 @@ class EventStream:
     """One client's stream: its cursor and what it has been told so far."""
 
     def __init__(self, session_factory: sessionmaker[Session], settings: Settings, user: User,
-                 after: int | None) -> None:
+                 after: int | None, *, key: str) -> None:
         self.session_factory = session_factory
         self.settings = settings
         self.user = user
+        self._key = key
+        # Checks fall on polls, so one is due a poll early: a revoked key's stream ends within
+        # api_key_cache_seconds, as its other requests do.
+        self.key_check_seconds = max(
+            settings.api_key_cache_seconds - settings.events_poll_seconds, 0.0)
+        self.key_checked_at = time.monotonic()  # the request's own check, just made
+        self.revoked = False  # the key no longer authenticates: the stream ends
         self.cursor = None if after is None else feed.EventCursor(after)
         self.progress: dict[str, tuple[int, int]] = {}  # job id -> (step, total) last sent
         self.groups: dict[str, tuple[Any, ...]] = {}  # group id -> what was last sent of it
 
     def poll(self) -> tuple[list[str], bool]:
-        """(the messages that are due, whether more job events are waiting); in a thread."""
+        """(the messages that are due, whether more job events are waiting); in a thread.
+        Nothing, and `revoked` set, once the key no longer authenticates."""
         with self.session_factory() as session:
+            if time.monotonic() - self.key_checked_at >= self.key_check_seconds:
+                if not self._check_key(session):
+                    return [], False
             if self.cursor is None:  # a new stream starts from now
                 self.cursor = feed.EventCursor(feed.last_event_id(session))
             out: list[str] = []
@@ -86,6 +102,17 @@ class EventStream:
             out += self._batches(session, touched)
             more = sum(1 for e in events if e.id > high) >= PAGE
         return out, more
+
+    def _check_key(self, session: Session) -> bool:
+        user = authenticate(session, self._key)
+        self.key_checked_at = time.monotonic()
+        if user is None:
+            self.revoked = True
+            return False
+        # A fresh, session-less copy (as api.deps.KeyCache gives): an admin demoted meanwhile
+        # sees only their own jobs from here on.
+        self.user = User(id=user.id, name=user.name, is_admin=user.is_admin, disabled=False)
+        return True
 
     def _progress(self, session: Session) -> list[str]:
         out = []
@@ -155,6 +182,9 @@ async def stream(events: EventStream, first: list[str], more: bool,
                 log.warning("event stream ended: the database is unreachable (%s)",
                             type(exc).__name__)
                 yield ": the database is unreachable; reconnect later\n\n"
+                return
+            if events.revoked:
+                yield ": the API key was revoked (or its user disabled); the stream ends\n\n"
                 return
             if time.monotonic() >= next_beat:
                 messages.append(": keep-alive\n\n")

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
 
 # What kiln-tiny was trained to draw (README: shapes, colours, directions).
 PROMPTS = ["a red circle moving left", "a blue square moving right", "a green circle moving up",
@@ -75,7 +76,9 @@ def main() -> None:
         options.add_argument(arg)
     browser = webdriver.Chrome(service=Service(args.chromedriver), options=options)
     try:
-        browser.get(f"{args.api}/dashboard#key={key}")
+        browser.get(f"{args.api}/dashboard")  # the key goes in through the page's form
+        browser.find_element(By.ID, "key").send_keys(key)
+        browser.find_element(By.CSS_SELECTOR, "#keyform button").click()
         time.sleep(2)
         pages = [("overview", "/dashboard#overview"), ("jobs", "/dashboard#jobs"),
                  ("workers", "/dashboard#workers"), ("job-page", f"/dashboard/jobs/{shown[0]}"),

@@ -3,15 +3,18 @@
 a job from the page, watches its progress bar reach 100 % from live events, opens the job page
 and plays the video, cancels another job from the page, and opens the workers view and a batch's
 report. Screenshots of each go to ``KILN_SCREENSHOT_DIR`` (default ``test-artifacts/screenshots``
-beside the project).
+beside the project). A session of two users leaves none of their keys in a log file or in a URL
+the browser asked for.
 
 Without the browser the test is skipped, except under CI (``CI`` set), where ``.ci/run``
 installs it and its absence is an error."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from servers import kiln_up
+from servers import KILN, kiln_up
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -46,6 +49,8 @@ def _browser() -> Any:
                 "--window-size=1400,1000", "--autoplay-policy=no-user-gesture-required",
                 "--mute-audio"):
         options.add_argument(arg)
+    # The performance log holds the DevTools network events: every URL the browser asked for.
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
@@ -74,6 +79,16 @@ def _click(driver: Any, what: str, selector: str) -> None:
     _wait(driver, what, lambda d: d.execute_script(
         "const el = document.querySelector(arguments[0]); if (el) el.click(); return !!el;",
         selector))
+
+
+def _connect(driver: Any, base: str, key: str) -> None:
+    """Opens the dashboard and enters ``key`` in its form, the one way a key gets in."""
+    from selenium.webdriver.common.by import By
+    driver.get(f"{base}/dashboard")
+    field = driver.find_element(By.ID, "key")
+    field.clear()
+    field.send_keys(key)
+    driver.find_element(By.CSS_SELECTOR, "#keyform button").click()
 
 
 def _shot(driver: Any, name: str) -> Path:
@@ -108,7 +123,7 @@ def test_dashboard_in_a_browser_submits_watches_plays_and_cancels(
 
     with kiln_up(tmp_path, "--dp", "2") as (base, key):
         headers = {"Authorization": f"Bearer {key}"}
-        browser.get(f"{base}/dashboard#key={key}")
+        _connect(browser, base, key)
         _wait(browser, "the event stream", lambda d: d.find_element(By.ID, "live").text == "live")
         _wait(browser, "a ready worker group", lambda d: _ready(base, headers))
 
@@ -221,3 +236,96 @@ def test_dashboard_in_a_browser_submits_watches_plays_and_cancels(
 def _ready(base: str, headers: dict[str, str]) -> bool:
     groups = httpx.get(f"{base}/v1/workers", headers=headers, timeout=30).json()["data"]
     return any(g["state"] == "ready" for g in groups)
+
+
+def _live(driver: Any) -> bool:
+    """Whether the page says it reads the event stream (not polling, not reconnecting)."""
+    from selenium.webdriver.common.by import By
+    return bool(driver.find_element(By.ID, "live").text == "live")
+
+
+def _requested_urls(driver: Any) -> list[str]:
+    """Every URL the browser asked for since the last call (and the page and referrer each
+    request was made from), from the DevTools network events of the performance log."""
+    urls = []
+    for entry in driver.get_log("performance"):
+        event = json.loads(entry["message"])["message"]
+        if event["method"] != "Network.requestWillBeSent":
+            continue
+        request, params = event["params"]["request"], event["params"]
+        urls += [request["url"] + request.get("urlFragment", ""), params.get("documentURL", "")]
+        urls += [v for k, v in request.get("headers", {}).items() if k.lower() == "referer"]
+    return urls
+
+
+def test_a_dashboard_session_of_two_users_leaves_no_key_in_a_log_or_a_url(
+        browser: Any, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    with kiln_up(tmp_path, "--dp", "1") as (base, admin):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("KILN_") and k not in ("REDIS_URL", "DATABASE_URL")}
+        alice = subprocess.run([KILN, "keys", "create", "--user", "alice"], cwd=tmp_path,
+                               env=env, capture_output=True, text=True,
+                               check=True).stdout.strip()
+        as_alice = {"Authorization": f"Bearer {alice}"}
+        _wait(browser, "a ready worker group", lambda d: _ready(base, as_alice))
+
+        # Alice: the overview, then a job that waits two seconds, so its page is open and live
+        # before it runs; the page follows it to the end from the stream alone (a live page
+        # does not poll).
+        _connect(browser, base, alice)
+        _wait(browser, "the event stream", _live)
+        _wait(browser, "the overview", lambda d: d.find_elements(By.CSS_SELECTOR, "#cards .card"))
+        not_before = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3))
+        job = httpx.post(f"{base}/v1/jobs", headers=as_alice, timeout=30, json={
+            "prompt": "a red circle moving left", "width": 64, "height": 64, "num_frames": 9,
+            "num_inference_steps": 4, "not_before": not_before}).json()["id"]
+        browser.get(f"{base}/dashboard/jobs/{job}")
+        _wait(browser, "the job page, live", lambda d: _live(d) and d.execute_script(
+            "return document.querySelector('main').dataset.terminal === 'false';"))
+        _wait(browser, "the job page at its end", lambda d: d.execute_script(
+            "const m = document.querySelector('main');"
+            "return m.dataset.terminal === 'true' && m.textContent.includes('succeeded');"))
+        batch = httpx.post(f"{base}/v1/batches", headers=as_alice, timeout=30, json={
+            "name": "two", "defaults": {"width": 64, "height": 64, "num_frames": 9,
+                                        "num_inference_steps": 4},
+            "jobs": [{"prompt": "a green circle moving up"},
+                     {"prompt": "a blue square moving down"}]}).json()["id"]
+        browser.get(f"{base}/dashboard/batches/{batch}")
+        _wait(browser, "the batch page at its end", lambda d: d.execute_script(
+            "return document.querySelector('main').dataset.terminal === 'true';"))
+        browser.get(f"{base}/dashboard#jobs")
+        _wait(browser, "alice's jobs", lambda d: len(d.find_elements(
+            By.CSS_SELECTOR, "#jobs tr[data-job]")) == 3)
+
+        # The admin, from the same browser's form: everyone's jobs.
+        _connect(browser, base, admin)
+        _wait(browser, "the event stream", _live)
+        browser.get(f"{base}/dashboard#jobs")
+        _wait(browser, "alice's job among the admin's", lambda d: d.find_elements(
+            By.CSS_SELECTOR, f'#jobs tr[data-job="{job}"]'))
+        urls = _requested_urls(browser)
+
+        # A link that carries a key neither replaces the stored one nor stays in the address.
+        planted = "kiln_" + "x" * 52
+        browser.get("about:blank")  # followed from elsewhere: the page loads anew
+        browser.get(f"{base}/dashboard#key={planted}")
+        _wait(browser, "the event stream", _live)
+        assert browser.execute_script("return localStorage.getItem('kiln-key');") == admin
+        assert "key=" not in browser.current_url
+        browser.execute_script("location.hash = arguments[0];", f"#key={planted}")  # in page
+        _wait(browser, "the link dropped", lambda d: "key=" not in d.current_url)
+        assert browser.execute_script("return localStorage.getItem('kiln-key');") == admin
+        # A key in a URL is refused, and not written down.
+        sent = httpx.get(f"{base}/v1/events", params={"key": admin}, timeout=30)
+        assert sent.status_code == 400, sent.text
+    assert any("/v1/events" in u for u in urls) and f"/dashboard/batches/{batch}" in str(urls)
+    logs = {p: p.read_text(errors="replace") for p in (tmp_path / "var" / "logs").rglob("*")
+            if p.is_file()}
+    assert '"GET /v1/events HTTP/1.1" 200' in logs[tmp_path / "var" / "logs" / "api.log"]
+    assert "/v1/events?key=[redacted]" in logs[tmp_path / "var" / "logs" / "api.log"]
+    for key in (admin, alice):
+        secret = key[len("kiln_") + 12:]  # the part after the public prefix
+        assert not [u for u in urls if secret in u], (key[:17], urls)
+        assert not [p for p, text in logs.items() if secret in text], key[:17]

@@ -1,15 +1,21 @@
 // What every kiln page shares: the API key kept in this browser, calls to the API with it,
 // escaping and formatting, and a live feed from /v1/events with polling as the fallback.
+//
+// The key comes from the header's form only, and goes out only in the Authorization header:
+// never in a URL (one ends up in access logs and history), never from a link (a link with
+// someone else's key would put this browser's work into their account).
 "use strict";
 const kiln = (() => {
   const KEY = "kiln-key";
   const STREAM_RETRY_MS = 30000;  // while polling, how soon the stream is tried again
   let key = localStorage.getItem(KEY) || "";
-  if (location.hash.startsWith("#key=")) {  // a link that carries the key (kept out of the URL after)
-    key = decodeURIComponent(location.hash.slice(5));
-    localStorage.setItem(KEY, key);
-    history.replaceState(null, "", location.pathname + location.search);
-  }
+  const dropKeyLink = () => {  // a #key= link is not read; it is dropped from the address
+    if (location.hash.startsWith("#key=")) {
+      history.replaceState(null, "", location.pathname + location.search);
+    }
+  };
+  dropKeyLink();
+  window.addEventListener("hashchange", dropKeyLink);  // before any page's own listener
 
   const $ = (id) => document.getElementById(id);
 
@@ -54,12 +60,45 @@ const kiln = (() => {
       : d.toLocaleString([], { month: "short", day: "numeric", ...clock });
   };
 
-  // Live updates: ``onMessage(data)`` for each event of /v1/events (EventSource sends no
-  // headers, so the key goes in the query, on that route only); when the stream cannot be had,
-  // ``onPoll()`` every ``pollMs`` instead, trying the stream again every 30 s. ``status(text)``
-  // says which. Returns ``stop()``.
+  // The server-sent events of ``body`` (a fetch response's stream), as the EventSource
+  // parser reads them: ``onEvent(data)`` per message, ``onId(id)`` and ``onRetry(ms)`` for
+  // those fields; comments are skipped. Resolves when the stream ends.
+  async function readEvents(body, { onEvent, onId, onRetry }) {
+    const reader = body.getReader(), decoder = new TextDecoder();
+    let buffer = "", data = [];
+    const line = (text) => {
+      if (text === "") {  // a blank line ends a message
+        if (data.length) onEvent(data.join("\n"));
+        data = [];
+        return;
+      }
+      if (text.startsWith(":")) return;
+      const colon = text.indexOf(":");
+      const field = colon < 0 ? text : text.slice(0, colon);
+      let value = colon < 0 ? "" : text.slice(colon + 1);
+      if (value.startsWith(" ")) value = value.slice(1);
+      if (field === "data") data.push(value);
+      else if (field === "id" && !value.includes("\0")) onId(value);
+      else if (field === "retry" && /^\d+$/.test(value)) onRetry(Number(value));
+    };
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true });
+      const lines = buffer.split(/\r\n|\r|\n/);
+      buffer = lines.pop();
+      lines.forEach(line);
+    }
+  }
+
+  // Live updates: ``onMessage(data)`` for each event of /v1/events, read with fetch (the key
+  // in its header, as everywhere) and resumed after a drop from the last event id
+  // (Last-Event-ID); ``after``: the id the first connection starts after. When the stream is
+  // refused (401, 503), ``onPoll()`` every ``pollMs`` instead, trying the stream again every
+  // 30 s. ``status(text)`` says which. Returns ``stop()``.
   function live({ onMessage, onPoll, pollMs = 2000, after = "", status = () => {} }) {
-    let source = null, pollTimer = null, retryTimer = null, stopped = false;
+    let controller = null, pollTimer = null, retryTimer = null, stopped = false;
+    let lastId = after, retryMs = 2000;
     const poll = () => {
       if (pollTimer || stopped) return;
       status("polling");
@@ -67,30 +106,42 @@ const kiln = (() => {
       retryTimer = setTimeout(() => { clearInterval(pollTimer); pollTimer = null; stream(); },
                               STREAM_RETRY_MS);
     };
-    const stream = () => {
+    const reconnect = () => {
       if (stopped) return;
-      if (!window.EventSource) { poll(); return; }
-      source = new EventSource(`/v1/events?key=${encodeURIComponent(key)}` +
-                               (after ? `&after=${encodeURIComponent(after)}` : ""));
-      source.onopen = () => status("live");
-      source.onmessage = (e) => {
-        let d;
-        try { d = JSON.parse(e.data); } catch (_) { return; }
-        onMessage(d);
-      };
-      source.onerror = () => {
-        if (source && source.readyState === EventSource.CLOSED) {  // refused (401, 503): poll
-          source = null;
-          poll();
-        } else {
-          status("reconnecting…");
-        }
-      };
+      status("reconnecting…");
+      retryTimer = setTimeout(stream, retryMs);
+    };
+    const stream = async () => {
+      if (stopped) return;
+      controller = new AbortController();
+      const headers = { Authorization: "Bearer " + key, Accept: "text/event-stream" };
+      if (lastId) headers["Last-Event-ID"] = lastId;
+      let r;
+      try {
+        r = await fetch("/v1/events", { headers, cache: "no-store", signal: controller.signal });
+      } catch (_) {  // no answer (the API restarting): as EventSource does, try again
+        reconnect();
+        return;
+      }
+      if (!r.ok || !r.body) { poll(); return; }
+      status("live");
+      try {
+        await readEvents(r.body, {
+          onEvent: (text) => {
+            let d;
+            try { d = JSON.parse(text); } catch (_) { return; }
+            onMessage(d);
+          },
+          onId: (id) => { lastId = id; },
+          onRetry: (ms) => { retryMs = ms; },
+        });
+      } catch (_) {}  // dropped mid-stream, or stopped
+      reconnect();
     };
     stream();
     return () => {
       stopped = true;
-      if (source) source.close();
+      if (controller) controller.abort();
       clearInterval(pollTimer);
       clearTimeout(retryTimer);
       status("");

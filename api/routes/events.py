@@ -10,8 +10,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import events
-from api.deps import get_stream_user
-from storage.tables import User
+from api.deps import StreamUser, get_stream_user
 
 router = APIRouter(tags=["events"])
 
@@ -32,11 +31,7 @@ def _cursor(value: str | None, name: str) -> int | None:
                503: {"description": "The database is unreachable; see Retry-After"}})
 async def event_stream(
     request: Request,
-    user: Annotated[User, Depends(get_stream_user)],
-    key: Annotated[str | None, Query(
-        max_length=200, description="The API key, for clients that cannot send headers (a "
-        "browser's EventSource); on this route only. Prefer the Authorization header: a query "
-        "string can end up in access logs.")] = None,
+    caller: Annotated[StreamUser, Depends(get_stream_user)],
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=40)] = None,
     after: Annotated[str | None, Query(
         max_length=40, description="Resume after this event id, as Last-Event-ID does (for a "
@@ -45,12 +40,15 @@ async def event_stream(
     """Job state changes, progress of running jobs, worker group changes and batch progress, as
     ``text/event-stream``. Each message's ``data`` is a JSON object with a ``type`` (``job``,
     ``progress``, ``worker_group``, ``batch``); its ``id`` resumes the stream (``Last-Event-ID``).
-    A comment is sent every ``events_heartbeat_seconds``."""
+    A comment is sent every ``events_heartbeat_seconds``. The key is checked again every
+    ``api_key_cache_seconds``: the stream of a key revoked meanwhile ends with a comment that
+    says so."""
     resume = _cursor(last_event_id, "Last-Event-ID")
     if resume is None:
         resume = _cursor(after, "after")
     app = request.app
-    stream = events.EventStream(app.state.session_factory, app.state.settings, user, resume)
+    stream = events.EventStream(app.state.session_factory, app.state.settings, caller.user,
+                                resume, key=caller.key)
     # The first poll runs before the response starts: a database that is out is a 503 here.
     first, more = await run_in_threadpool(stream.poll)
     return StreamingResponse(

@@ -1,6 +1,6 @@
 """``GET /v1/events`` over real HTTP (uvicorn in a thread): a job's state changes in order, only
 to keys that may see them, resumable with Last-Event-ID; a 503 while the database is out; the
-stream ends when its client goes."""
+stream ends when its client goes, and when its key is revoked."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from api.app import create_app
 from storage import feed, lifecycle
 from storage.db import make_engine
 from storage.outputs import LocalStore, thumbnail_key, video_key
+from storage.users import revoke_api_key
 from storage.workers import GroupReport, report_group
 
 JOB = {"prompt": "a red circle", "width": 64, "height": 64, "num_frames": 9,
@@ -121,7 +122,7 @@ def _run(live: Live, job_id: str) -> None:
 def test_a_jobs_changes_arrive_in_order_to_its_owner_only_and_resume_after_the_last_seen(
         live: Live) -> None:
     with events(live, headers=live.auth("alice")) as alice, \
-            events(live, params={"key": live.keys["bob"]}) as bob, \
+            events(live, headers=live.auth("bob")) as bob, \
             events(live, headers=live.auth("root")) as root:
         job = live.submit("alice")
         _run(live, job)
@@ -194,14 +195,45 @@ def test_the_stream_ends_when_its_client_goes(live: Live) -> None:
         time.sleep(0.05)
 
 
-def test_keys_are_checked(live: Live) -> None:
+def test_keys_are_checked_and_taken_from_the_header_only(live: Live) -> None:
     with httpx.Client(base_url=live.url, timeout=10) as client:
         assert client.get("/v1/events").status_code == 401
-        assert client.get("/v1/events", params={"key": "kiln_nope"}).status_code == 401
+        assert client.get("/v1/events", headers={"Authorization": "Bearer kiln_nope"}
+                          ).status_code == 401
         r = client.get("/v1/events", headers={**live.auth("alice"), "Last-Event-ID": "x"})
         assert r.status_code == 422
-        # ?key= is for the event stream only.
+        # A key in the URL is refused, even a good one beside a good header: a URL is logged.
+        for headers in ({}, live.auth("alice")):
+            r = client.get("/v1/events", params={"key": live.keys["alice"]}, headers=headers)
+            assert r.status_code == 400, r.text
+            assert "Authorization: Bearer" in r.json()["error"]["message"], r.text
         assert client.get("/v1/jobs", params={"key": live.keys["alice"]}).status_code == 401
+
+
+def test_a_revoked_keys_open_stream_ends_within_the_key_cache_ttl(api) -> None:  # noqa: ANN001
+    ttl = 1.0
+    settings = api.settings.model_copy(update={"events_poll_seconds": 0.1,
+                                               "events_heartbeat_seconds": 0.3,
+                                               "api_key_cache_seconds": ttl})
+    app = create_app(settings, engine=api.db.engine, redis=api.redis, store=api.store)
+    with Server(app) as url:
+        live = Live(url, app, api.db, api.store, api.keys)
+        with events(live, headers=live.auth("alice")) as alice, \
+                events(live, headers=live.auth("bob")) as bob:
+            alice.wait_for(2 * ttl)  # several key checks pass while the key is good
+            with api.session() as s:
+                assert revoke_api_key(s, live.keys["alice"][5:17])
+            revoked_at = time.monotonic()
+            with pytest.raises(StopIteration):
+                alice.until(lambda _: False, timeout=ttl + 2)
+            ended_after = time.monotonic() - revoked_at
+            assert alice.comments[-1].startswith("the API key was revoked"), alice.comments
+            # Bob's stream, on a key still good, goes on.
+            bob.wait_for(0.5)
+        # Within the TTL, give or take the poll that notices it.
+        assert ended_after <= ttl + 0.3, ended_after
+        with httpx.Client(base_url=url, timeout=10) as client:
+            assert client.get("/v1/events", headers=live.auth("alice")).status_code == 401
 
 
 def test_an_exhausted_connection_pool_is_a_503_not_a_stream(api) -> None:  # noqa: ANN001
