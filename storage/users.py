@@ -51,24 +51,53 @@ def get_or_create_user(session: Session, name: str, *, is_admin: bool = False) -
     return user
 
 
-def create_api_key(session: Session, user_name: str, *, is_admin: bool = False) -> NewKey:
-    """Creates (or reuses) the user and a new key for them; commits."""
-    user = get_or_create_user(session, user_name, is_admin=is_admin)
+def key_prefix(key: str) -> str | None:
+    """The prefix of a well-formed key (what `list_api_keys` shows of it); None otherwise."""
+    if len(key) != KEY_LENGTH or not key.startswith(KEY_SCHEME):
+        return None
+    prefix = key[len(KEY_SCHEME) : len(KEY_SCHEME) + PREFIX_LENGTH]
+    return prefix if all(c in _PREFIX_ALPHABET for c in prefix) else None
+
+
+def _add_key(session: Session, user: User) -> NewKey:
     prefix = "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(PREFIX_LENGTH))
     secret = "".join(secrets.choice(_SECRET_ALPHABET) for _ in range(_SECRET_LENGTH))
     key = f"{KEY_SCHEME}{prefix}{secret}"
     session.add(ApiKey(user_id=user.id, prefix=prefix, key_hash=hash_key(key)))
-    session.commit()
     return NewKey(user=user, key=key, prefix=prefix)
 
 
+def create_api_key(session: Session, user_name: str, *, is_admin: bool = False) -> NewKey:
+    """Creates (or reuses) the user and a new key for them; commits."""
+    new = _add_key(session, get_or_create_user(session, user_name, is_admin=is_admin))
+    session.commit()
+    return new
+
+
 def revoke_api_key(session: Session, prefix: str) -> bool:
+    """Revokes the active key ``prefix``; False if there is none. The API refuses it within
+    ``api_key_cache_seconds``, open event streams included."""
     key = session.scalar(select(ApiKey).where(ApiKey.prefix == prefix))
     if key is None or key.revoked_at is not None:
         return False
     key.revoked_at = utcnow()
     session.commit()
     return True
+
+
+def rotate_api_key(session: Session, prefix: str) -> NewKey | None:
+    """A new key for the user of the active key ``prefix``, which is revoked in the same
+    commit; None if there is no such key."""
+    old = session.scalar(select(ApiKey).where(ApiKey.prefix == prefix,
+                                              ApiKey.revoked_at.is_(None)))
+    if old is None:
+        return None
+    user = session.get(User, old.user_id)
+    assert user is not None  # the foreign key
+    new = _add_key(session, user)
+    old.revoked_at = utcnow()
+    session.commit()
+    return new
 
 
 def list_api_keys(session: Session) -> list[tuple[ApiKey, User]]:
@@ -80,10 +109,8 @@ def list_api_keys(session: Session) -> list[tuple[ApiKey, User]]:
 
 def authenticate(session: Session, key: str) -> User | None:
     """The active user holding ``key``, or None for a malformed, unknown or revoked key."""
-    if len(key) != KEY_LENGTH or not key.startswith(KEY_SCHEME):
-        return None
-    prefix = key[len(KEY_SCHEME) : len(KEY_SCHEME) + PREFIX_LENGTH]
-    if not all(c in _PREFIX_ALPHABET for c in prefix):
+    prefix = key_prefix(key)
+    if prefix is None:
         return None  # also keeps NUL and other junk out of the SQL parameter
     row = session.execute(
         select(ApiKey.key_hash, User)

@@ -262,15 +262,20 @@ def answers(url: str) -> bool:
         return False
 
 
+def up_env() -> dict[str, str]:
+    """This environment without kiln's settings, as `kiln_up` runs in: ``kiln`` commands run
+    with it in the same directory reach the same database and data directory."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("KILN_") and k not in ("REDIS_URL", "DATABASE_URL")}
+
+
 @contextlib.contextmanager
 def kiln_up(tmp_path: Path, *args: str) -> Iterator[tuple[str, str]]:
     """``kiln up *args --no-celery`` in ``tmp_path`` on a free API port, in a process group of
     its own; yields (the API's base URL, the admin key) once the API answers, and stops it on
     leaving."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("KILN_") and k not in ("REDIS_URL", "DATABASE_URL")}
-    env["KILN_API_PORT"] = str(port)
+    env = {**up_env(), "KILN_API_PORT": str(port)}
     proc = subprocess.Popen([KILN, "up", *args, "--no-celery"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -1,9 +1,11 @@
 """`kiln up` on embedded defaults: a private Redis, SQLite, the API and a worker group, from an
 empty directory; a job submitted over HTTP renders and its MP4 downloads and decodes, with the
-group at ``--dp 2`` and at ``--dp 1 --sp 2`` (one replica of two ranks)."""
+group at ``--dp 2`` and at ``--dp 1 --sp 2`` (one replica of two ranks). Started again, it keeps
+its one admin key, until asked to rotate it."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 import av
 import httpx
 import pytest
-from servers import kiln_up
+from servers import KILN, kiln_up, up_env
 
 
 def _decoded_frames(path: Path) -> list[Any]:
@@ -77,3 +79,31 @@ def test_kiln_up_at_dp1_sp2_renders_an_sdk_job_on_one_replica_of_two_ranks(
         assert [(r["replica"], r["ranks"]) for r in group["replicas"]] == [(0, [0, 1])], group
         assert [(r["rank"], r["replica"]) for r in group["ranks"]] == [(0, 0), (1, 0)], group
 
+
+
+def _admin_keys(cwd: Path) -> list[list[str]]:
+    """(prefix, state) of each admin key, from `kiln keys list` in ``cwd``."""
+    listed = subprocess.run([KILN, "keys", "list"], cwd=cwd, env=up_env(), capture_output=True,
+                            text=True, check=True).stdout
+    return [[w[0], w[3]] for w in map(str.split, listed.splitlines()) if w[2] == "admin"]
+
+
+def test_kiln_up_keeps_one_admin_key_across_starts_and_rotates_it_when_asked(
+        tmp_path: Path) -> None:
+    key_file = tmp_path / "var" / "admin.key"
+    keys = []
+    for _ in range(3):
+        with kiln_up(tmp_path, "--dp", "1") as (base, key):
+            assert key_file.stat().st_mode & 0o777 == 0o600
+            assert httpx.get(f"{base}/v1/summary", headers={"Authorization": f"Bearer {key}"},
+                             timeout=30).status_code == 200
+        keys.append(key)
+    assert keys[0] == keys[1] == keys[2]
+    assert _admin_keys(tmp_path) == [[keys[0][5:17], "active"]]
+
+    with kiln_up(tmp_path, "--dp", "1", "--rotate-admin-key") as (base, new):
+        assert new != keys[0] and key_file.stat().st_mode & 0o777 == 0o600
+        for key, status in ((new, 200), (keys[0], 401)):
+            assert httpx.get(f"{base}/v1/summary", headers={"Authorization": f"Bearer {key}"},
+                             timeout=30).status_code == status
+    assert _admin_keys(tmp_path) == [[keys[0][5:17], "revoked"], [new[5:17], "active"]]

@@ -93,6 +93,30 @@ def keys_revoke(prefix: Annotated[str, typer.Argument(help="The key's prefix.")]
     typer.echo(f"revoked {prefix}")
 
 
+@keys_app.command("rotate")
+def keys_rotate(prefix: Annotated[str, typer.Argument(help="The key's prefix.")]) -> None:
+    """Replace a key: print a new key for the same user and revoke the old one. When the old
+    one is `kiln up`'s admin key, the new one replaces it in <data dir>/admin.key."""
+    # Here, not at the top: the database layer loads only for the commands that use it.
+    from kiln.cli import admin_key
+    from storage.users import key_prefix, rotate_api_key
+
+    settings = Settings()
+    with _session(settings) as session:
+        new = rotate_api_key(session, prefix)
+        if new is None:
+            raise typer.BadParameter("no active key with that prefix", param_hint="PREFIX")
+        user = new.user.name
+    kept = admin_key.read(settings.data_dir)
+    if kept is not None and key_prefix(kept) == prefix:
+        key_file = admin_key.write(settings.data_dir, new.key)
+        typer.echo(f"key {new.prefix} replaces {prefix} (revoked) in {key_file}", err=True)
+        return
+    typer.echo(new.key)
+    typer.echo(f"key {new.prefix} for {user!r} replaces {prefix} (revoked); store it "
+               "now, it is not shown again", err=True)
+
+
 @app.command("api")
 def api(
     host: Annotated[str | None, typer.Option(help="Bind address (default from settings).")] = None,

@@ -1,13 +1,14 @@
 """``kiln up``: the whole service in one command, on embedded defaults.
 
 Starts, as child processes of this one: a private Redis (unless ``REDIS_URL`` is set), the
-database migrations, the API, a worker group and a Celery worker with its beat. Prints an admin
-key. Every child is supervised: one that exits is started again after a delay that doubles from
-1 s to 30 s (back to 1 s once a run has lasted a minute); a child that needs a sixth restart
-within five minutes stops everything, with exit status 1. The children's own output goes to one
-file each under ``<data dir>/logs/``, appended across restarts (``--verbose``: to this terminal).
-Ctrl-C (or SIGTERM) stops everything: the worker group first, which finishes (or requeues) its
-running jobs, Redis last.
+database migrations, the API, a worker group and a Celery worker with its beat. Keeps an admin
+key in ``<data dir>/admin.key`` (mode 0600), the same across starts (``--rotate-admin-key``: a new
+one, the old one revoked); it prints only the key's prefix. Every child is supervised: one that
+exits is started again after a delay that doubles from 1 s to 30 s (back to 1 s once a run has
+lasted a minute); a child that needs a sixth restart within five minutes stops everything, with
+exit status 1. The children's own output goes to one file each under ``<data dir>/logs/``,
+appended across restarts (``--verbose``: to this terminal). Ctrl-C (or SIGTERM) stops everything:
+the worker group first, which finishes (or requeues) its running jobs, Redis last.
 """
 
 from __future__ import annotations
@@ -374,6 +375,9 @@ def up(
     verbose: Annotated[bool, typer.Option(
         "--verbose", "-v", help="Show the children's output (Celery, the API's access log, the "
                                 "worker's ranks) here instead of in <data dir>/logs/.")] = False,
+    rotate_admin_key: Annotated[bool, typer.Option(
+        "--rotate-admin-key", help="Replace the admin key in <data dir>/admin.key with a new "
+                                   "one and revoke the old one.")] = False,
 ) -> None:
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""
     device_budget(budget)  # a bad value is refused before anything starts
@@ -382,9 +386,11 @@ def up(
     if dp < 1 or sp < 1:
         raise typer.BadParameter(f"--dp and --sp must be >= 1, got dp={dp}, sp={sp}")
     # Here, not at the top: Alembic and SQLAlchemy load only for `kiln up`.
+    from sqlalchemy.engine import make_url
+
     import migrations
+    from kiln.cli import admin_key
     from storage.db import make_engine, make_session_factory
-    from storage.users import create_api_key
 
     env = dict(os.environ)
     # This is the laptop path: webhooks may go to a receiver on this machine and placeholder
@@ -421,15 +427,13 @@ def up(
         settings = Settings(environment=env["KILN_ENVIRONMENT"],
                             redis_url=env.get("REDIS_URL", settings.redis_url))
         migrations.upgrade(settings.database_url)
-        typer.echo(f"database  {settings.database_url} (migrated)")
+        shown_url = make_url(settings.database_url).render_as_string(hide_password=True)
+        typer.echo(f"database  {shown_url} (migrated)")
         engine = make_engine(settings.database_url)
         with make_session_factory(engine)() as session:
-            key = create_api_key(session, "admin", is_admin=True).key
+            admin = admin_key.ensure(session, data_dir, rotate=rotate_admin_key)
         engine.dispose()
-        key_file = data_dir / "admin.key"
-        key_file.parent.mkdir(parents=True, exist_ok=True)
-        key_file.write_text(key + "\n")
-        key_file.chmod(0o600)
+        key_file = admin_key.path(data_dir)
 
         api_url = f"http://{settings.api_host}:{settings.api_port}"
         api = supervisor.start(Child("api", [_KILN, "api"], env, log("api")))
@@ -447,7 +451,9 @@ def up(
                  else f"{dp * sp} rank(s) (dp={dp} x sp={sp})")
         typer.echo(f"worker    {shape}, model {model}, device {device}, "
                    f"goal {goal or DEFAULT_GOAL}")
-        typer.echo(f"admin key {key}   (also in {key_file})")
+        how = {"kept": "the same as before", "new": "new",
+               "rotated": "new; the one before is revoked"}[admin.how]
+        typer.echo(f"admin key kiln_{admin.prefix}...   in {key_file} ({how})")
         if verbose:
             typer.echo(f"logs      here (redis: {logs / 'redis.log'})")
         else:

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import inspect
 from typer.testing import CliRunner
 
-from kiln.cli import app
+from kiln.cli import admin_key, app
 from storage.db import make_engine, make_session_factory
 from storage.users import authenticate
 
@@ -37,4 +37,45 @@ def test_db_upgrade_then_keys_create_prints_a_working_key_once(
     assert revoked.exit_code == 0
     with make_session_factory(engine)() as session:
         assert authenticate(session, key) is None
+    engine.dispose()
+
+
+def test_keys_rotate_replaces_a_key_and_kiln_ups_admin_key_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"sqlite:///{tmp_path / 'var' / 'kiln.db'}"
+    monkeypatch.setenv("KILN_DATABASE_URL", url)
+    monkeypatch.setenv("KILN_DATA_DIR", str(tmp_path / "var"))
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    assert runner.invoke(app, ["db", "upgrade"]).exit_code == 0
+    old = runner.invoke(app, ["keys", "create", "--user", "ops"]).stdout.strip()
+
+    rotated = runner.invoke(app, ["keys", "rotate", old[5:17]])
+    assert rotated.exit_code == 0, rotated.output
+    new = rotated.stdout.strip().splitlines()[0]
+    engine = make_engine(url)
+    with make_session_factory(engine)() as session:
+        assert authenticate(session, old) is None
+        user = authenticate(session, new)
+        assert user is not None and user.name == "ops"
+    again = runner.invoke(app, ["keys", "rotate", old[5:17]])
+    assert again.exit_code != 0 and "no active key" in again.output
+
+    # kiln up's admin key: the new key goes to its file (mode 0600), not to the terminal.
+    with make_session_factory(engine)() as session:
+        first = admin_key.ensure(session, tmp_path / "var")
+    key_file = tmp_path / "var" / "admin.key"
+    rotated = runner.invoke(app, ["keys", "rotate", first.prefix])
+    assert rotated.exit_code == 0, rotated.output
+    replaced = key_file.read_text().strip()
+    assert replaced != first.key and replaced not in rotated.output
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    with make_session_factory(engine)() as session:
+        assert authenticate(session, first.key) is None
+        assert admin_key.ensure(session, tmp_path / "var").how == "kept"
+    listed = runner.invoke(app, ["keys", "list"]).stdout.splitlines()
+    assert [line.split()[1:4] for line in listed] == [
+        ["ops", "user", "revoked"], ["ops", "user", "active"],
+        ["admin", "admin", "revoked"], ["admin", "admin", "active"]]
     engine.dispose()
