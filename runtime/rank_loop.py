@@ -227,6 +227,9 @@ class _Held:
     final: Ended  # its status once stored
     frames: Any  # uint8 [N, H, W, 3], kept until the files are stored
     fps: int
+    # Its `Rendered` has reached rank 0 (`RankLoop.reported`): only then is it written, so
+    # that its `Ended` can never overtake it.
+    announced: bool = False
 
 
 class GroupDriver(Protocol):
@@ -294,6 +297,10 @@ class RankLoop:
         self._writes = threading.Condition()
         self._held: list[_Held] = []
         self._stored: list[Ended] = []
+        # Where the final statuses of stored jobs go at once, from the writer thread (replicas
+        # at their own pace: rank 0 learns of an interactive job's end while its replica is in
+        # the next step of the job it suspended); None: `written` hands them to the loop.
+        self.send_stored: Callable[[list[Ended]], None] | None = None
         self.store_error: str | None = None
         self._closing = False
         self._writer = threading.Thread(target=self._write_held, daemon=True,
@@ -446,13 +453,6 @@ class RankLoop:
                         num_inference_steps=final.num_inference_steps,
                         compute_seconds=final.compute_seconds)
 
-    @property
-    def holds_writes(self) -> bool:
-        """Whether this rank has finished jobs whose files are not stored yet, or whose final
-        status `written` has not handed out."""
-        with self._writes:
-            return bool(self._held or self._stored)
-
     def written(self, wait: float = 0.0) -> list[Ended]:
         """Final statuses of the jobs whose files were stored (or could not be written) since
         the last call; waits up to ``wait`` seconds for one while any is held."""
@@ -482,10 +482,11 @@ class RankLoop:
         delay = 0.0
         while True:
             with self._writes:
-                self._writes.wait_for(lambda: self._closing or bool(self._held))
+                self._writes.wait_for(lambda: self._closing or self._announced() is not None)
                 if self._closing:
                     return
-                held = self._held[0]
+                held = self._announced()
+                assert held is not None
             job_id = held.final.job_id
             try:
                 video, thumb = self.write(held.frames, job_id, held.fps)
@@ -510,14 +511,22 @@ class RankLoop:
                 result = replace(held.final, video_key=video, thumbnail_key=thumb)
                 delay = 0.0
             with self._writes:
-                if held in self._held:
+                current = held in self._held
+                if current:
                     self._held.remove(held)
-                    self._stored.append(result)
+                    if self.send_stored is None:
+                        self._stored.append(result)
                 if result.outcome == "succeeded" or not self._held:
                     if self.store_error is not None:
                         log.info("rank %d: the storage takes the files again", self.rank)
                     self.store_error = None
                 self._writes.notify_all()
+            if current and self.send_stored is not None:
+                self.send_stored([result])
+
+    def _announced(self) -> _Held | None:
+        """The oldest held job the writer may write (under ``_writes``)."""
+        return next((h for h in self._held if h.announced), None)
 
     def _take_preview(self) -> None:
         """The running job's preview, for the preview thread in place of one it has not taken."""
@@ -617,10 +626,16 @@ class RankLoop:
         return status
 
     def reported(self) -> None:
-        """This turn's messages have reached rank 0, whose driver records the failures in
-        them: the checkpoints of the jobs whose step failed in it are deleted now."""
+        """This turn's messages have reached rank 0: the checkpoints of the jobs whose step
+        failed in it are deleted now (its driver records the failures), and the files of the
+        jobs rendered in it are written."""
         failed, self._failed_steps = self._failed_steps, []
         self._delete_checkpoints(failed)
+        with self._writes:
+            if any(not h.announced for h in self._held):
+                for h in self._held:
+                    h.announced = True
+                self._writes.notify_all()
 
     def _delete_checkpoints(self, job_ids: list[str]) -> None:
         """These jobs' checkpoints are not wanted any more: the checkpoint thread deletes them
@@ -832,6 +847,8 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
     first rank broadcasts the orders it took to the others on the replica's own group."""
     layout = loop.layout
     mailbox = open_mailbox(rank, control)
+    # A job's final status goes out from the writer thread as soon as its files are stored.
+    loop.send_stored = mailbox.clone().report
     replica_group = _replica_group(rank, layout)
     conductor = None
     if driver is not None:
@@ -843,7 +860,8 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
                 raise RuntimeError("the group's coordinator failed") from conductor.error
             orders: list[StepPlan] = []
             if loop.leads:
-                orders = mailbox.orders(loop.slot, wait=_order_wait(loop))
+                orders = mailbox.orders(loop.slot,
+                                        wait=0.0 if loop.jobs else IDLE_REPORT_SECONDS)
             if replica_group is not None:
                 box: list[Any] = [orders]
                 dist.broadcast_object_list(box, src=loop.slot, group=replica_group)
@@ -862,7 +880,6 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
                 ended = loop.step(loop.pipe.handles_needed(loop.state))
                 if ended is not None:
                     messages.append(ended)
-            messages.extend(loop.written())
             if loop.leads:
                 messages.extend(loop.progress())
             messages.append(loop.report())
@@ -877,18 +894,9 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
         raise RuntimeError("the group's coordinator failed") from conductor.error
 
 
-# How long a rank at its own pace waits for orders: not at all while it has a job; briefly
-# while its writer thread stores a job's files (their final status goes out as soon as they are
-# stored); else up to IDLE_REPORT_SECONDS, then it reports itself all the same (rank 0 hears
-# from every rank at least that often).
-WRITE_POLL_SECONDS = 0.02
+# How long a rank at its own pace without a job waits for orders before it reports itself all
+# the same: rank 0 hears from every rank at least this often.
 IDLE_REPORT_SECONDS = 0.5
-
-
-def _order_wait(loop: RankLoop) -> float:
-    if loop.jobs:
-        return 0.0
-    return WRITE_POLL_SECONDS if loop.holds_writes else IDLE_REPORT_SECONDS
 
 
 def _replica_group(rank: int, layout: Layout) -> Any:

@@ -117,6 +117,7 @@ def _render(loop: RankLoop, job_id: str) -> Rendered | Ended:
         assert loop.step() is None
     ended = loop.step()
     assert ended is not None
+    loop.reported()  # as the loop does once the turn's messages have reached rank 0
     return ended
 
 
@@ -264,6 +265,7 @@ def _tiny_job(loop: RankLoop, job_id: str, between: Any = None) -> Rendered | En
             between(step)
     ended = loop.step()
     assert ended is not None
+    loop.reported()
     return ended
 
 
