@@ -17,6 +17,7 @@ from redis import Redis
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect
 
 from api import bodies, jobs
 from api.schemas import (
@@ -100,6 +101,8 @@ async def read_submission(request: Request) -> Submission:
 async def _from_upload(request: Request) -> Submission:
     try:
         form = await request.form(max_files=1, max_fields=len(_JSONL_OPTIONS) + 1)
+    except ClientDisconnect:  # not the body's fault: api.errors answers it
+        raise
     except Exception as exc:  # the multipart parser's own errors: malformed input
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"malformed form body: {exc}") from exc
     try:

@@ -4,7 +4,8 @@ Every error body carries ``detail`` (a sentence saying what was wrong) and ``err
 shape (``message``, ``type``, ``param``, ``code``), so both native clients and the OpenAI SDK get
 a reason. Validation errors name the offending field. A database or Redis that cannot be reached
 is a 503 with ``Retry-After`` (the client should come back; nothing is wrong with its request),
-and anything unexpected is a 500 in the same JSON shape, never a traceback.
+and anything unexpected is a 500 in the same JSON shape, never a traceback. A client that hangs up
+while sending its body is a 400 and one log line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import headers
@@ -86,6 +88,16 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=exc.headers)
+
+    async def _client_gone(request: Request, _: ClientDisconnect) -> JSONResponse:
+        # A client that hangs up while sending its body (a closed laptop, a killed curl) is its
+        # own doing, not the server's: one line, no traceback. Nobody reads the answer.
+        log.info("%s %s: 400, the client disconnected before its whole body arrived",
+                 request.method, request.url.path)
+        return JSONResponse(error_body(400, "the client disconnected before its whole body "
+                                            "arrived"), status_code=400)
+
+    app.add_exception_handler(ClientDisconnect, _client_gone)
 
     async def _database_down(request: Request, exc: Exception) -> JSONResponse:
         if not is_database_outage(exc):
