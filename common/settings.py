@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     # At shutdown, requests still open after this long are cut off; without it an open event
     # stream (a status page left open) would keep the API from stopping.
     api_shutdown_grace_seconds: float = Field(default=5.0, ge=0)
+    # GET /metrics answers only `Authorization: Bearer <this>` when set (Prometheus'
+    # `authorization` scrape setting); unset, it is open, as on a laptop.
+    metrics_token: SecretStr | None = None
 
     # Models a job may name; the first is used when a request names none.
     models: list[str] = Field(default_factory=lambda: ["kiln-tiny"], min_length=1)

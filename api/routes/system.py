@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hmac
+
 from fastapi import APIRouter, Request, Response, status
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -90,7 +92,22 @@ def readyz(request: Request, session: SessionDep, settings: SettingsDep) -> Resp
     return JSONResponse({"status": "ready"})
 
 
-@router.get("/metrics", response_class=Response)
-def metrics(request: Request) -> Response:
+@router.get("/metrics", response_class=Response,
+            responses={401: {"description": "KILN_METRICS_TOKEN is set and was not sent"}})
+def metrics(request: Request, settings: SettingsDep) -> Response:
+    """Prometheus metrics. With ``KILN_METRICS_TOKEN`` set, only for ``Authorization: Bearer
+    <token>`` (the counts are the whole deployment's, beside the host's memory and the worker
+    groups' ids and memory); unset, open to whoever reaches the port."""
+    if settings.metrics_token is not None:
+        scheme, _, sent = request.headers.get("authorization", "").partition(" ")
+        expected = settings.metrics_token.get_secret_value()
+        # Compared in constant time: how long a wrong token takes says nothing of the right one.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent.strip().encode(),
+                                                                 expected.encode()):
+            return JSONResponse(
+                error_body(401, "GET /metrics needs Authorization: Bearer <KILN_METRICS_TOKEN>",
+                           code="invalid_metrics_token"),
+                status_code=status.HTTP_401_UNAUTHORIZED,
+                headers={"WWW-Authenticate": 'Bearer realm="kiln metrics"'})
     return Response(generate_latest(request.app.state.registry),
                     media_type=CONTENT_TYPE_LATEST)
