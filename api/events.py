@@ -13,7 +13,7 @@ polls), and sends:
 
 The stream checks its key again every ``api_key_cache_seconds`` (in the poll that falls due, on
 the poll's own session) and ends, with a comment that says why, once the key no longer
-authenticates: a revoked key loses its open streams as soon as its other requests.
+authenticates: a revoked key's open streams end within the same bound as its other requests.
 
 Every message has an ``id:``, the job-event cursor (`storage.feed.EventCursor.watermark`), so a
 reconnect with ``Last-Event-ID`` resumes after the job events already delivered; progress, group

@@ -5,10 +5,10 @@ accepted unprefixed because every hosting platform sets those) or a ``.env`` fil
 on a laptop: a SQLite file and an output directory under ``./var``. Only the environment does not
 default to the laptop's (``local``): `kiln up` sets it for its children.
 
-Secrets (the S3 secret key, the webhook signing secret) are `SecretStr`: a repr, a log line or a
-traceback of the settings shows ``**********``, and code that uses one asks for it by name
-(``.get_secret_value()``). The database and Redis URLs stay plain strings for the libraries that
-take them; kiln prints them with the password hidden.
+Secrets (the S3 secret key, the webhook signing secret, the metrics token) are `SecretStr`: a
+repr, a log line or a traceback of the settings shows ``**********``, and code that uses one asks
+for it by name (``.get_secret_value()``). The database and Redis URLs stay plain strings for the
+libraries that take them; kiln prints them with the password hidden.
 """
 
 from __future__ import annotations
