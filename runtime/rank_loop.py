@@ -1,5 +1,14 @@
 """What every rank of a persistent worker group does, one denoising step per turn.
 
+Two ways to turn (`run_loop`): in lock-step, below, where a step gathers weights across ranks
+(allgather mode) and every rank must run every step together; and at their own pace
+(`_own_pace_turns`), where nothing is gathered (rank-local weights, every block resident): each
+replica then steps its own job as fast as it goes, its orders and reports going through queues
+on the group's store (`runtime.mailbox`) and rank 0's coordinator running on a thread of its
+own. The same `GroupDriver`, `StepPlan` and messages serve both.
+
+In lock-step:
+
 1. Rank 0 asks its `GroupDriver` (the service's bookkeeping: claims, cancels, leases; it lives
    above the runtime and is handed in) for a `StepPlan` and broadcasts it on a small gloo
    control group.
