@@ -5,7 +5,7 @@ accepted unprefixed because every hosting platform sets those) or a ``.env`` fil
 on a laptop: a SQLite file and an output directory under ``./var``. Only the environment does not
 default to the laptop's (``local``): `kiln up` sets it for its children.
 
-Secrets (the S3 secret key, the webhook signing secret, the metrics token) are `SecretStr`: a
+Secrets (the S3 secret key, the deployment's webhook secret, the metrics token) are `SecretStr`: a
 repr, a log line or a traceback of the settings shows ``**********``, and code that uses one asks
 for it by name (``.get_secret_value()``). The database and Redis URLs stay plain strings for the
 libraries that take them; kiln prints them with the password hidden.
@@ -152,8 +152,14 @@ class Settings(BaseSettings):
     # Side work (kiln.tasks, run by `kiln celery`). How often beat runs the lease reaper; the
     # queue-index reconciliation runs every reconcile_interval_seconds.
     reaper_interval_seconds: float = Field(default=15.0, gt=0)
-    # Webhooks: a job that reaches a final state with a webhook_url gets one POST, signed with
-    # HMAC-SHA256 under this secret (header Kiln-Signature); unset: sent unsigned.
+    # Webhooks: every delivery is signed (Standard Webhooks' webhook-signature) with its owner's
+    # own secret (storage.webhook_secrets), made on first need. After a rotation the replaced
+    # secret signs too, for this long.
+    webhook_secret_overlap_hours: float = Field(default=24.0, ge=0)
+    # A deployment-wide secret that, when set, adds one more signature to every delivery: for
+    # receivers set up with it before users had secrets of their own. Any user can cause a
+    # delivery signed with it, so a receiver that verifies with it cannot tell one user's events
+    # from another's; unset it once receivers verify with their owner's secret.
     webhook_secret: SecretStr | None = None
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     # Attempts per delivery; retries wait webhook_backoff_seconds, doubling up to the maximum.

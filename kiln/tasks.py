@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery, Task
+from pydantic import SecretStr
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -41,7 +42,7 @@ from kiln import signing, webhook_client
 from kiln.webhook_client import Posted
 from scheduler import queue_index
 from scheduler.attempts import settle
-from storage import lifecycle, queries, retention, webhooks
+from storage import lifecycle, queries, retention, webhook_secrets, webhooks
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, checkpoint_key, make_store
 from storage.tables import Batch, Job, JobState, utcnow
@@ -267,8 +268,18 @@ class Delivery:
     error: str | None = None  # why this attempt did not deliver
 
 
-def _post(s: Settings, url: str, *, msg_id: str, kind: str, body: bytes, attempt: int,
-          delivery_id: str) -> Posted:
+def signing_secrets(s: Settings, owner: webhook_secrets.Secrets) -> list[str | SecretStr]:
+    """What a delivery of ``owner``'s is signed with: the owner's secrets (the current one, and
+    the one it replaced while that still signs), then the deployment's ``webhook_secret``, if
+    set, for receivers that verify with that one."""
+    found: list[str | SecretStr] = list(owner.signing)
+    if s.webhook_secret is not None:
+        found.append(s.webhook_secret)
+    return found
+
+
+def _post(s: Settings, url: str, *, secrets: list[str | SecretStr], msg_id: str, kind: str,
+          body: bytes, attempt: int, delivery_id: str) -> Posted:
     """One signed POST of an event, to a checked address (`kiln.webhook_client`)."""
     headers = {
         "Content-Type": "application/json",
@@ -277,12 +288,7 @@ def _post(s: Settings, url: str, *, msg_id: str, kind: str, body: bytes, attempt
         "Kiln-Event": kind,
         "Kiln-Attempt": str(attempt),
     }
-    if s.webhook_secret:
-        timestamp = int(time.time())
-        headers.update(signing.standard_headers(s.webhook_secret, msg_id, body, timestamp))
-        headers[signing.HEADER] = signing.sign(s.webhook_secret, body, timestamp)
-    else:
-        headers.update({"webhook-id": msg_id, "webhook-timestamp": str(int(time.time()))})
+    headers.update(signing.standard_headers(secrets, msg_id, body))
     return webhook_client.post(url, body=body, headers=headers,
                                private_allowed=netguard.private_allowed(s),
                                timeout_seconds=s.webhook_timeout_seconds)
@@ -324,15 +330,17 @@ def _log(session: Session, **attempt: Any) -> None:
 Record = Callable[[Posted, datetime | None, datetime], str | None]
 
 
-def _attempt(ctx: Context, session: Session, *, url: str, msg_id: str, kind: str, body: bytes,
-             number: int, now: datetime, record: Record, job_id: str | None = None,
+def _attempt(ctx: Context, session: Session, *, url: str, owner_id: int, msg_id: str, kind: str,
+             body: bytes, number: int, now: datetime, record: Record, job_id: str | None = None,
              batch_id: str | None = None) -> Delivery:
-    """Attempt ``number`` at an outbox event (a job's final one, a batch's): the POST, then the
-    outbox row settled by ``record`` and the attempt in the delivery log."""
+    """Attempt ``number`` at an outbox event (a job's final one, a batch's) of user
+    ``owner_id``: the POST, signed with that user's secrets, then the outbox row settled by
+    ``record`` and the attempt in the delivery log."""
     owner = job_id or batch_id or ""
+    secrets = signing_secrets(ctx.settings, webhook_secrets.ensure(session, owner_id, now=now))
     started = time.monotonic()
-    posted = _post(ctx.settings, url, msg_id=msg_id, kind=kind, body=body, attempt=number,
-                   delivery_id=owner)
+    posted = _post(ctx.settings, url, secrets=secrets, msg_id=msg_id, kind=kind, body=body,
+                   attempt=number, delivery_id=owner)
     # The wait before a retry counts from the end of this attempt.
     at = now + timedelta(seconds=time.monotonic() - started)
     retry_in = _retry_in(ctx.settings, number, posted)
@@ -370,9 +378,9 @@ def deliver(ctx: Context, job_id: str, *, now: datetime | None = None) -> Delive
                 session, job_id, attempt.number, delivered=posted.error is None,
                 status=posted.status, error=posted.error, retry_at=retry_at, now=at)
 
-        return _attempt(ctx, session, url=job.webhook_url, msg_id=final_event_id(job),
-                        kind=kind, body=encode(payload(job)), number=attempt.number, now=now,
-                        record=record, job_id=job_id)
+        return _attempt(ctx, session, url=job.webhook_url, owner_id=job.owner_id,
+                        msg_id=final_event_id(job), kind=kind, body=encode(payload(job)),
+                        number=attempt.number, now=now, record=record, job_id=job_id)
 
 
 def deliver_batch(ctx: Context, batch_id: str, *, now: datetime | None = None) -> Delivery:
@@ -401,17 +409,24 @@ def deliver_batch(ctx: Context, batch_id: str, *, now: datetime | None = None) -
             return webhooks.settle_batch_attempt(session, batch_id, attempt.number, state,
                                                  retry_at=retry_at)
 
-        return _attempt(ctx, session, url=batch.webhook_url, msg_id=batch_event_id(batch_id),
-                        kind=webhooks.BATCH_COMPLETED, body=body, number=attempt.number,
-                        now=now, record=record, batch_id=batch_id)
+        return _attempt(ctx, session, url=batch.webhook_url, owner_id=batch.owner_id,
+                        msg_id=batch_event_id(batch_id), kind=webhooks.BATCH_COMPLETED, body=body,
+                        number=attempt.number, now=now, record=record, batch_id=batch_id)
 
 
-def deliver_live(settings: Settings, url: str, msg_id: str, kind: str, body: bytes, *,
+def deliver_live(ctx: Context, url: str, msg_id: str, kind: str, body: bytes, *,
                  attempt: int = 1) -> Delivery:
-    """Attempt number ``attempt`` at a job.started or job.progress event. No outbox row holds
-    it: the task carries the attempt count and the wait (``retry_in``) to the next one."""
-    posted = _post(settings, url, msg_id=msg_id, kind=kind, body=body, attempt=attempt,
-                   delivery_id=msg_id)
+    """Attempt number ``attempt`` at a job.started or job.progress event, signed with the secrets
+    of the owner of the job it is about (``data.id``). No outbox row holds it: the task carries
+    the attempt count and the wait (``retry_in``) to the next one."""
+    settings = ctx.settings
+    with ctx.sessions() as session:
+        owner = webhook_secrets.ensure_for_job(session, json.loads(body)["data"]["id"])
+    if owner is None:  # the job is gone with its user: there is no one to sign for
+        log.warning("webhook event %s: its job is gone; not sent", msg_id)
+        return Delivery(state="failed", attempt=attempt, error="the job is gone")
+    posted = _post(settings, url, secrets=signing_secrets(settings, owner), msg_id=msg_id,
+                   kind=kind, body=body, attempt=attempt, delivery_id=msg_id)
     if posted.error is None:
         return Delivery(state="delivered", attempt=attempt, status=posted.status)
     retry_in = _retry_in(settings, attempt, posted)
@@ -424,7 +439,7 @@ def deliver_live(settings: Settings, url: str, msg_id: str, kind: str, body: byt
 def deliver_logged(ctx: Context, url: str, msg_id: str, kind: str, body: bytes, *,
                    attempt: int = 1) -> Delivery:
     """`deliver_live`, with the attempt in the delivery log under the job the event is about."""
-    outcome = deliver_live(ctx.settings, url, msg_id, kind, body, attempt=attempt)
+    outcome = deliver_live(ctx, url, msg_id, kind, body, attempt=attempt)
     with ctx.sessions() as session:
         _log(session, job_id=json.loads(body)["data"]["id"], event=kind, msg_id=msg_id,
              attempt=attempt, status=outcome.status, error=outcome.error,

@@ -1,4 +1,5 @@
-"""SQLAlchemy tables: users and their API keys, jobs, batches, worker groups, job events.
+"""SQLAlchemy tables: users with their API keys and webhook secrets, jobs, batches, worker
+groups, job events.
 
 The schema is created and changed only by the Alembic revisions in ``migrations/``; these classes
 are what the code reads and writes, and a test checks that the two agree.
@@ -130,6 +131,22 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None]
+
+
+class WebhookSecret(Base):
+    """A user's webhook signing secret, ``whsec_<base64 of 32 random bytes>``
+    (`storage.webhook_secrets`). Kept as it is, not hashed: kiln signs with it. After a rotation
+    the replaced secret still signs, beside the new one, until ``previous_until``."""
+
+    __tablename__ = "webhook_secrets"
+
+    user_id: Mapped[int] = mapped_column(
+        ForeignKey("users.id", ondelete="CASCADE"), primary_key=True
+    )
+    secret: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)  # of the current secret
+    previous_secret: Mapped[str | None] = mapped_column(String(64))
+    previous_until: Mapped[datetime | None]
 
 
 class Batch(Base):

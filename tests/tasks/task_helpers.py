@@ -11,14 +11,14 @@ from sqlalchemy.orm import Session
 
 from common.settings import Settings
 from kiln.tasks import Context
-from storage import lifecycle, submission
+from storage import lifecycle, submission, webhook_secrets
 from storage.outputs import thumbnail_key, video_key
 from storage.submission import JobSpec
 from storage.tables import Job, User
 from storage.users import get_or_create_user
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-SECRET = "s3cr3t-for-tests-only"
+SECRET = "s3cr3t-for-tests-only"  # a deployment-wide webhook_secret, where a test sets one
 
 
 def make_settings(db_url: str, prefix: str, tmp_path: Path, **overrides: Any) -> Settings:
@@ -26,7 +26,7 @@ def make_settings(db_url: str, prefix: str, tmp_path: Path, **overrides: Any) ->
         # Local: the tests' webhook receivers listen on 127.0.0.1.
         environment="local",
         database_url=db_url, redis_url="redis://127.0.0.1:6379/0", redis_prefix=prefix,
-        output_dir=tmp_path / "outputs", webhook_secret=SECRET, webhook_timeout_seconds=5,
+        output_dir=tmp_path / "outputs", webhook_timeout_seconds=5,
         webhook_max_attempts=3, webhook_backoff_seconds=2, webhook_backoff_max_seconds=60,
     )
     values.update(overrides)
@@ -68,3 +68,9 @@ def user(session: Session, name: str = "alice") -> User:
     found = get_or_create_user(session, name)
     session.commit()
     return found
+
+
+def secret_of(ctx: Context, name: str = "alice") -> str:
+    """The user's own webhook secret, ``whsec_...`` (made if they have none yet)."""
+    with ctx.sessions() as session:
+        return webhook_secrets.ensure(session, user(session, name).id).secret

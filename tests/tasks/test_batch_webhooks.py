@@ -15,12 +15,11 @@ from pydantic import ValidationError
 from servers import Receiver
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
-from standardwebhooks import Webhook
-from task_helpers import SECRET, fail, make_settings, submit, succeed, user
+from standardwebhooks import Webhook, WebhookVerificationError
+from task_helpers import fail, make_settings, secret_of, submit, succeed, user
 
 from api.batches import Submission, specs_from_submission
 from api.schemas import BatchCreate
-from kiln import signing
 from kiln.tasks import (
     Context,
     batch_event_id,
@@ -34,8 +33,6 @@ from kiln.tasks import (
 from storage import batches, lifecycle, webhooks
 from storage.submission import JobSpec
 from storage.tables import Batch, Job, WebhookAttempt, utcnow
-
-WHSEC = signing.standard_secret(SECRET)
 
 
 def _spec(i: int, **fields: Any) -> JobSpec:
@@ -75,7 +72,10 @@ def test_the_last_job_to_end_sends_one_signed_batch_completed_with_the_report(
         assert sweep_batches(ctx, now=utcnow() + timedelta(minutes=5)) == []
         got = receiver.wait_for(1)
     assert len(got) == 1
-    sent = Webhook(WHSEC).verify(got[0].body, got[0].headers)
+    # Signed with the batch owner's own secret.
+    sent = Webhook(secret_of(ctx, "alice")).verify(got[0].body, got[0].headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(secret_of(ctx, "bob")).verify(got[0].body, got[0].headers)
     assert got[0].headers["webhook-id"] == batch_event_id(batch_id)
     assert sent["type"] == "batch.completed"
     data = sent["data"]
@@ -163,7 +163,7 @@ def test_a_receiver_failing_twice_gets_it_on_the_third_try_with_the_same_id(
     assert {r.headers["webhook-id"] for r in got} == {batch_event_id(batch_id)}
     assert [r.headers["Kiln-Attempt"] for r in got] == ["1", "2", "3"]
     for r in got:
-        assert Webhook(WHSEC).verify(r.body, r.headers)["data"]["id"] == batch_id
+        assert Webhook(secret_of(ctx)).verify(r.body, r.headers)["data"]["id"] == batch_id
     assert _log(ctx, batch_id) == [(1, "retrying", 500), (2, "retrying", 500),
                                    (3, "delivered", 200)]
 
@@ -186,7 +186,7 @@ def test_a_lost_task_is_made_good_by_the_sweep_after_its_grace(ctx: Context) -> 
         assert deliver_batch(ctx, batch_id).state == "delivered"
         assert sweep_batches(ctx, now=utcnow() + timedelta(minutes=1)) == []
         got = receiver.wait_for(1)
-    data = Webhook(WHSEC).verify(got[0].body, got[0].headers)["data"]
+    data = Webhook(secret_of(ctx)).verify(got[0].body, got[0].headers)["data"]
     assert {k: v for k, v in data["counts"].items() if v} == {"succeeded": 1, "expired": 1}
 
 

@@ -1,6 +1,7 @@
 """Webhooks by the Standard Webhooks convention: every request verifies with the
-``standardwebhooks`` library, a job's events arrive in order (started, progress..., succeeded),
-failed POSTs are retried, and the job's event filter drops what it did not ask for."""
+``standardwebhooks`` library under its owner's secret, a job's events arrive in order (started,
+progress..., succeeded), failed POSTs are retried, and the job's event filter drops what it did
+not ask for."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import pytest
 from pydantic import ValidationError
 from servers import Receiver
 from standardwebhooks import Webhook, WebhookVerificationError
-from task_helpers import SECRET, fail, submit
+from task_helpers import fail, secret_of, submit
 
 from api.schemas import JobCreate
-from kiln import group_io, signing
+from kiln import group_io
 from kiln.coordinator import Coordinator
 from kiln.tasks import Context, deliver, deliver_live, progress_event, sweep
 from kiln.worker import WorkerConfig, make_coordinator
@@ -26,18 +27,17 @@ from storage import lifecycle, webhooks
 from storage.outputs import video_key
 from storage.tables import utcnow
 
-WHSEC = signing.standard_secret(SECRET)
 
-
-def verified(received: Any) -> dict[str, Any]:
-    return Webhook(WHSEC).verify(received.body, received.headers)  # type: ignore[no-any-return]
+def verified(ctx: Context, received: Any) -> dict[str, Any]:
+    """The event, verified with alice's secret (every job here is hers)."""
+    return Webhook(secret_of(ctx)).verify(received.body, received.headers)  # type: ignore[no-any-return]
 
 
 @pytest.fixture
 def coordinator(ctx: Context) -> Iterator[Coordinator]:
     def send_now(url: str, msg_id: str, kind: str, body: bytes) -> None:
         # What the kiln.deliver_event task does, run here and now.
-        assert deliver_live(ctx.settings, url, msg_id, kind, body).state == "delivered"
+        assert deliver_live(ctx, url, msg_id, kind, body).state == "delivered"
 
     c = make_coordinator(ctx.settings, WorkerConfig(), Layout(), "cpu",
                          notify=lambda session, job_id: None, send_event=send_now)
@@ -71,7 +71,7 @@ def test_a_job_gets_its_events_in_order_each_verified_by_the_library(
                             webhook_events=["job.started", "job.progress", "job.succeeded"]).id
         run_job(ctx, coordinator, job_id, steps=3)
         got = receiver.wait_for(5)
-    events = [verified(r) for r in got]
+    events = [verified(ctx, r) for r in got]
     assert [e["type"] for e in events] == [
         "job.started", "job.progress", "job.progress", "job.progress", "job.succeeded"]
     assert [e["data"]["step"] for e in events[1:4]] == [1, 2, 3]
@@ -84,9 +84,9 @@ def test_a_job_gets_its_events_in_order_each_verified_by_the_library(
         assert int(r.headers["webhook-timestamp"]) == pytest.approx(utcnow().timestamp(), abs=30)
         assert json.loads(r.body)["timestamp"]
         with pytest.raises(WebhookVerificationError):
-            Webhook(signing.standard_secret("another secret")).verify(r.body, r.headers)
+            Webhook(secret_of(ctx, "bob")).verify(r.body, r.headers)
         with pytest.raises(WebhookVerificationError):
-            Webhook(WHSEC).verify(r.body + b" ", r.headers)
+            Webhook(secret_of(ctx)).verify(r.body + b" ", r.headers)
 
 
 def test_progress_is_sent_at_most_every_two_seconds_per_job(
@@ -97,14 +97,16 @@ def test_progress_is_sent_at_most_every_two_seconds_per_job(
                             webhook_events=["job.progress", "job.succeeded"]).id
         run_job(ctx, coordinator, job_id, steps=4)  # four steps well within 2 s
         got = receiver.wait_for(2)
-    assert [verified(r)["type"] for r in got] == ["job.progress", "job.succeeded"]
+    assert [verified(ctx, r)["type"] for r in got] == ["job.progress", "job.succeeded"]
 
 
 def test_a_receiver_answering_500_twice_gets_the_event_on_the_third_try(ctx: Context) -> None:
     with Receiver(fail_first=2) as receiver:
-        msg_id, body = progress_event("j1", 1, 2, 4)
-        outcomes = [deliver_live(ctx.settings, receiver.url, msg_id, "job.progress", body,
-                                 attempt=n) for n in (1, 2, 3)]
+        with ctx.sessions() as s:
+            live_id = submit(s, webhook_url=receiver.url).id
+        msg_id, body = progress_event(live_id, 1, 2, 4)
+        outcomes = [deliver_live(ctx, receiver.url, msg_id, "job.progress", body, attempt=n)
+                    for n in (1, 2, 3)]
         assert [(o.state, o.status, o.retry_in) for o in outcomes] == [
             ("pending", 500, 2.0), ("pending", 500, 4.0), ("delivered", 200, None)]
         # The final events: the outbox's retries, with the same webhook-id on every attempt.
@@ -120,8 +122,8 @@ def test_a_receiver_answering_500_twice_gets_the_event_on_the_third_try(ctx: Con
     assert [r.answered for r in got] == [500, 500, 200, 500, 500, 200]
     assert len({r.headers["webhook-id"] for r in got[:3]}) == 1
     assert len({r.headers["webhook-id"] for r in got[3:]}) == 1
-    assert verified(got[2])["data"]["step"] == 2
-    final = verified(got[-1])
+    assert verified(ctx, got[2])["data"]["step"] == 2
+    final = verified(ctx, got[-1])
     assert (final["type"], final["data"]["id"]) == ("job.failed", job_id)
 
 
@@ -141,7 +143,7 @@ def test_the_filter_drops_the_events_not_asked_for(
         assert deliver(ctx, unwanted).state == webhooks.UNWANTED
         assert sweep(ctx, now=utcnow() + timedelta(minutes=1)) == []  # it owes nothing
         got = receiver.wait_for(1)
-    assert [(verified(r)["type"], verified(r)["data"]["id"]) for r in got] == [
+    assert [(verified(ctx, r)["type"], verified(ctx, r)["data"]["id"]) for r in got] == [
         ("job.succeeded", wanted)]
     with ctx.sessions() as s:
         row = webhooks.delivery(s, unwanted)

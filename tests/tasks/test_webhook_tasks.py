@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 from servers import Receiver
-from task_helpers import SECRET, fail, make_settings, submit, succeed, user
+from standardwebhooks import Webhook, WebhookVerificationError
+from task_helpers import SECRET, fail, make_settings, secret_of, submit, succeed, user
 
 from common import netguard
 from common.procs import free_port
@@ -54,9 +55,11 @@ def test_failed_posts_are_retried_with_doubling_backoff_until_a_signed_delivery_
     assert {r.headers["Kiln-Event"] for r in got} == {"job.succeeded"}
     for r in got:
         assert r.path == "/hook" and r.headers["Content-Type"] == "application/json"
-        assert signing.verify(SECRET, r.body, r.headers[signing.HEADER])
-        assert not signing.verify("another secret", r.body, r.headers[signing.HEADER])
-        assert not signing.verify(SECRET, r.body + b" ", r.headers[signing.HEADER])
+        Webhook(secret_of(ctx, "alice")).verify(r.body, r.headers)
+        with pytest.raises(WebhookVerificationError):
+            Webhook(secret_of(ctx, "bob")).verify(r.body, r.headers)
+        with pytest.raises(WebhookVerificationError):
+            Webhook(secret_of(ctx, "alice")).verify(r.body + b" ", r.headers)
     body = json.loads(got[-1].body)
     assert body["type"] == "job.succeeded"
     assert body["data"]["id"] == job_id and body["data"]["status"] == "succeeded"
@@ -109,18 +112,25 @@ def test_an_unreachable_receiver_is_a_failed_attempt_that_is_retried(ctx: Contex
         assert row.last_error.startswith("ConnectError")
 
 
-def test_deliveries_are_unsigned_without_a_secret(db: object, redis_client: object,
-                                                  redis_prefix: str, tmp_path: object,
-                                                  ctx: Context, receiver: Receiver) -> None:
+def test_a_deployment_secret_adds_its_signature_after_the_owners(
+        redis_prefix: str, tmp_path: object, ctx: Context, receiver: Receiver) -> None:
     ctx.settings = make_settings(ctx.settings.database_url, redis_prefix, tmp_path,  # type: ignore[arg-type]
-                                 webhook_secret=None)
+                                 webhook_secret=SECRET)
     receiver.fail_first = 0
     t = utcnow() - timedelta(minutes=1)
     with ctx.sessions() as s:
         job_id = submit(s, now=t, webhook_url=receiver.url).id
         succeed(ctx, s, job_id, now=t)
     assert deliver(ctx, job_id, now=t).state == "delivered"
-    assert signing.HEADER not in receiver.requests[0].headers
+    r = receiver.requests[0]
+    signatures = r.headers["webhook-signature"].split(" ")
+    assert len(signatures) == 2 and all(sig.startswith("v1,") for sig in signatures)
+    for secret in (secret_of(ctx, "alice"), signing.standard_secret(SECRET)):
+        assert Webhook(secret).verify(r.body, r.headers)["data"]["id"] == job_id
+    # The owner's alone is the first signature.
+    own = dict(r.headers, **{"webhook-signature": signatures[0]})
+    Webhook(secret_of(ctx, "alice")).verify(r.body, own)
+    assert "Kiln-Signature" not in r.headers
 
 
 def test_an_attempt_in_flight_blocks_a_second_one_until_its_hold_runs_out(
