@@ -23,7 +23,17 @@ from api.events import StreamCount
 from api.headers import SecurityHeaders
 from api.jobs import QueueRoom
 from api.metrics import make_registry
-from api.routes import batches, dashboard, docs, events, jobs, models, system, videos
+from api.routes import (
+    batches,
+    dashboard,
+    docs,
+    events,
+    jobs,
+    models,
+    system,
+    videos,
+    webhook_secret,
+)
 from common.settings import Settings, get_settings
 from scheduler import queue_index
 from storage.db import make_engine, make_session_factory
@@ -108,6 +118,7 @@ def create_app(
     app.include_router(events.router)
     app.include_router(models.router)
     app.include_router(docs.router)
+    app.include_router(webhook_secret.router)
     return app
 
 

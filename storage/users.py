@@ -51,6 +51,10 @@ def get_or_create_user(session: Session, name: str, *, is_admin: bool = False) -
     return user
 
 
+def user_named(session: Session, name: str) -> User | None:
+    return session.scalar(select(User).where(User.name == name))
+
+
 def key_prefix(key: str) -> str | None:
     """The prefix of a well-formed key (what `list_api_keys` shows of it); None otherwise."""
     if len(key) != KEY_LENGTH or not key.startswith(KEY_SCHEME):

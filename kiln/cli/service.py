@@ -1,8 +1,10 @@
-"""Service commands of the ``kiln`` CLI: ``kiln db upgrade``, ``kiln keys ...``, ``kiln api``.
+"""Service commands of the ``kiln`` CLI: ``kiln db upgrade``, ``kiln keys ...`` (API keys and
+users' webhook secrets), ``kiln api``.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Annotated
 
 import typer
@@ -10,7 +12,7 @@ import typer
 from common.settings import Settings
 
 db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic migrations).")
-keys_app = typer.Typer(no_args_is_help=True, help="API keys.")
+keys_app = typer.Typer(no_args_is_help=True, help="API keys and webhook secrets.")
 app = typer.Typer()
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
@@ -115,6 +117,36 @@ def keys_rotate(prefix: Annotated[str, typer.Argument(help="The key's prefix.")]
     typer.echo(new.key)
     typer.echo(f"key {new.prefix} for {user!r} replaces {prefix} (revoked); store it "
                "now, it is not shown again", err=True)
+
+
+@keys_app.command("webhook-secret")
+def keys_webhook_secret(
+    user: Annotated[str, typer.Option("--user", help="User name.")],
+    rotate: Annotated[bool, typer.Option(
+        "--rotate", help="Make a new secret; the old one signs beside it for "
+        "webhook_secret_overlap_hours.")] = False,
+) -> None:
+    """Print a user's webhook signing secret (whsec_...), made if they have none. Every delivery
+    of the user's jobs and batches is signed with it; the user reads it at GET
+    /v1/webhook-secret."""
+    # Here, not at the top: the database layer loads only for the commands that use it.
+    from storage import webhook_secrets
+    from storage.users import user_named
+
+    settings = Settings()
+    with _session(settings) as session:
+        found = user_named(session, user)
+        if found is None:
+            raise typer.BadParameter("no such user", param_hint="--user")
+        if rotate:
+            overlap = timedelta(hours=settings.webhook_secret_overlap_hours)
+            secrets = webhook_secrets.rotate(session, found.id, overlap=overlap)
+        else:
+            secrets = webhook_secrets.ensure(session, found.id)
+    typer.echo(secrets.secret)
+    if secrets.previous_until is not None:
+        typer.echo(f"the previous secret of {user!r} still signs until "
+                   f"{secrets.previous_until:%Y-%m-%d %H:%M} UTC", err=True)
 
 
 @app.command("api")

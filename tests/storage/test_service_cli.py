@@ -1,4 +1,5 @@
-"""`kiln db upgrade` and `kiln keys ...` against a fresh SQLite file."""
+"""`kiln db upgrade` and `kiln keys ...` (API keys and webhook secrets) against a fresh SQLite
+file."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from sqlalchemy import inspect
 from typer.testing import CliRunner
 
 from kiln.cli import admin_key, app
+from storage import webhook_secrets
 from storage.db import make_engine, make_session_factory
-from storage.users import authenticate
+from storage.users import authenticate, user_named
 
 
 def test_db_upgrade_then_keys_create_prints_a_working_key_once(
@@ -79,3 +81,33 @@ def test_keys_rotate_replaces_a_key_and_kiln_ups_admin_key_file(
         ["ops", "user", "revoked"], ["ops", "user", "active"],
         ["admin", "admin", "revoked"], ["admin", "admin", "active"]]
     engine.dispose()
+
+
+def test_keys_webhook_secret_prints_a_users_secret_and_rotates_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"sqlite:///{tmp_path / 'var' / 'kiln.db'}"
+    monkeypatch.setenv("KILN_DATABASE_URL", url)
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    assert runner.invoke(app, ["db", "upgrade"]).exit_code == 0
+    assert runner.invoke(app, ["keys", "create", "--user", "ops"]).exit_code == 0
+
+    shown = runner.invoke(app, ["keys", "webhook-secret", "--user", "ops"])
+    assert shown.exit_code == 0, shown.output
+    secret = shown.stdout.strip()
+    assert secret.startswith("whsec_")
+    assert runner.invoke(app, ["keys", "webhook-secret", "--user", "ops"]).stdout.strip() == secret
+    rotated = runner.invoke(app, ["keys", "webhook-secret", "--user", "ops", "--rotate"])
+    assert rotated.exit_code == 0, rotated.output
+    new = rotated.stdout.strip()
+    assert new.startswith("whsec_") and new != secret
+    assert "still signs until" in rotated.stderr
+    engine = make_engine(url)
+    with make_session_factory(engine)() as session:
+        ops = user_named(session, "ops")
+        assert ops is not None
+        assert webhook_secrets.ensure(session, ops.id).signing == [new, secret]
+    engine.dispose()
+    unknown = runner.invoke(app, ["keys", "webhook-secret", "--user", "nobody"])
+    assert unknown.exit_code != 0 and "no such user" in unknown.output
