@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from api.deps import KeyCache
 from api.errors import BodySizeLimit, install_error_handlers
 from api.events import StreamCount
-from api.headers import SecurityHeaders
+from api.headers import SecurityHeaders, page_policy, store_origin
 from api.jobs import QueueRoom
 from api.metrics import make_registry
 from api.routes import (
@@ -109,7 +109,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        per_path={"/v1/batches": settings.max_batch_body_bytes})
     # Outermost, so that the size limit's own refusals carry the headers too.
-    app.add_middleware(SecurityHeaders)
+    app.add_middleware(SecurityHeaders, policy=page_policy(store_origin(app.state.store)))
     app.include_router(jobs.router)
     app.include_router(batches.router)
     app.include_router(videos.router)

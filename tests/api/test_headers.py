@@ -2,7 +2,8 @@
 and every HTML page a Content-Security-Policy with ``default-src``, ``connect-src``,
 ``frame-ancestors`` and ``form-action``: each operation of the OpenAPI document (with real ids,
 as a user), the dashboard's pages with and without a key, their assets, ``/docs``, and refusals
-(401, 404, 413), over real HTTP."""
+(401, 404, 413), over real HTTP. With an S3 output store, the pages' policy lets them fetch and
+show the store's presigned URLs, and no other origin."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ import base64
 import hashlib
 import re
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import httpx
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from servers import Server
 
 from api.app import create_app
 from api.routes import docs
+from storage import lifecycle
+from storage.outputs import thumbnail_key, video_key
 
 if TYPE_CHECKING:
     from conftest import Api
@@ -114,3 +121,39 @@ def test_docs_allow_exactly_swagger_ui_and_its_inline_script(api: Api) -> None:
     assert "url: '/openapi.json'" in inline[0]
     assert "https://" not in r.text.replace(docs.SWAGGER_JS, "").replace(docs.SWAGGER_CSS, "")
     assert api.client.get("/redoc").status_code == 404
+
+
+@pytest.mark.parametrize(("endpoint", "origin"), [
+    ("http://minio.internal:9000", "http://minio.internal:9000"),  # an S3-compatible server
+    (None, "https://kiln-out.s3.amazonaws.com"),  # AWS itself: the bucket's own host
+])
+def test_with_an_s3_store_the_pages_may_fetch_and_show_its_presigned_urls(
+        api: Api, endpoint: str | None, origin: str) -> None:
+    s3 = api.settings.model_copy(update={
+        "storage_url": "s3://kiln-out/renders", "s3_endpoint_url": endpoint,
+        "s3_region": "us-east-1", "s3_access_key_id": "kiln-test",
+        "s3_secret_access_key": SecretStr("kiln-test-secret-0123456789")})
+    # The output store is the one the settings make: no S3 server is asked anything.
+    app = create_app(s3, engine=api.db.engine, redis=api.redis)  # type: ignore[attr-defined]
+    with TestClient(app) as client:
+        job_id = client.post("/v1/jobs", json=JOB, headers=api.auth("alice")).json()["id"]
+        with api.session() as s:
+            claim = lifecycle.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=60)
+            assert claim is not None
+            assert lifecycle.finish_succeeded(s, job_id, claim.attempt_token,
+                                              video_key=video_key(job_id),
+                                              thumbnail_key=thumbnail_key(job_id))
+        for which in ("video", "thumbnail"):
+            r = client.get(f"/v1/jobs/{job_id}/{which}", headers=api.auth("alice"),
+                           follow_redirects=False)
+            assert r.status_code == 307
+            location = urlsplit(r.headers["Location"])
+            assert f"{location.scheme}://{location.netloc}" == origin
+        directives = _directives(client.get("/dashboard"))
+    assert directives["connect-src"] == f"connect-src 'self' {origin}"
+    assert directives["img-src"] == f"img-src 'self' {origin} blob: data:"
+    assert directives["media-src"] == f"media-src 'self' {origin} blob:"
+    assert directives["default-src"] == "default-src 'self'"
+    assert directives["script-src"] == "script-src 'self'"
+    # A local store: the API serves the files itself, and the policy names no other origin.
+    assert _directives(api.client.get("/dashboard"))["connect-src"] == "connect-src 'self'"
