@@ -200,6 +200,7 @@ class Settings(BaseSettings):
                              "celery_visibility_timeout_seconds (a retry would run twice)")
         self._check_secret("s3_secret_access_key", _plain(self.s3_secret_access_key))
         self._check_secret("webhook_secret", _plain(self.webhook_secret))
+        self._check_secret("metrics_token", _plain(self.metrics_token))
         self._check_secret("database_url password", urlsplit(self.database_url).password)
         if self.redis_url is not None:
             self._check_secret("redis_url password", urlsplit(self.redis_url).password)

@@ -1,11 +1,13 @@
 """``GET /metrics`` is open by default (a laptop's Prometheus needs nothing) and, with
 ``metrics_token`` set, answers only ``Authorization: Bearer <token>``, as Prometheus' scrape
-``authorization`` setting sends it."""
+``authorization`` setting sends it. A placeholder token (``changethis``) is refused at startup
+like every other secret's, outside ``local``."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import pytest
 from pydantic import SecretStr
 
 from common.settings import Settings
@@ -44,3 +46,15 @@ def test_the_token_is_read_from_the_environment_and_never_shown(monkeypatch) -> 
     assert settings.metrics_token is not None
     assert settings.metrics_token.get_secret_value() == TOKEN
     assert TOKEN not in repr(settings) and TOKEN not in str(settings.model_dump())
+
+
+@pytest.mark.parametrize("placeholder", ["changethis", "CHANGEME", "secret"])
+def test_a_placeholder_token_is_refused_outside_local_and_warned_about_in_local(
+        placeholder: str) -> None:
+    with pytest.raises(ValueError, match="metrics_token is the placeholder"):
+        Settings(_env_file=None, metrics_token=placeholder)  # type: ignore[call-arg]
+    with pytest.warns(UserWarning, match="metrics_token is the placeholder"):
+        local = Settings(_env_file=None, environment="local",  # type: ignore[call-arg]
+                         metrics_token=placeholder)
+    assert local.metrics_token is not None
+    assert Settings(_env_file=None, metrics_token=TOKEN).metrics_token is not None  # type: ignore[call-arg]
