@@ -1,7 +1,8 @@
 """`kiln up` on embedded defaults: a private Redis, SQLite, the API and a worker group, from an
 empty directory; a job submitted over HTTP renders and its MP4 downloads and decodes, with the
 group at ``--dp 2`` and at ``--dp 1 --sp 2`` (one replica of two ranks). Started again, it keeps
-its one admin key, until asked to rotate it."""
+its one admin key, until asked to rotate it. With its Celery side work, every webhook it sends
+is signed with the owner's secret."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 import av
 import httpx
 import pytest
-from servers import KILN, kiln_up, up_env
+from servers import KILN, Receiver, kiln_up, up_env
+from standardwebhooks import Webhook
 
 
 def _decoded_frames(path: Path) -> list[Any]:
@@ -107,3 +109,31 @@ def test_kiln_up_keeps_one_admin_key_across_starts_and_rotates_it_when_asked(
             assert httpx.get(f"{base}/v1/summary", headers={"Authorization": f"Bearer {key}"},
                              timeout=30).status_code == status
     assert _admin_keys(tmp_path) == [[keys[0][5:17], "revoked"], [new[5:17], "active"]]
+
+
+def test_every_delivery_under_kiln_up_carries_a_webhook_signature_of_its_owner(
+        tmp_path: Path) -> None:
+    job = {"prompt": "a red circle moving left", "width": 64, "height": 64, "num_frames": 9,
+           "num_inference_steps": 2, "seed": 7}
+    with Receiver() as receiver, kiln_up(tmp_path, "--dp", "1", celery=True) as (base, key):
+        headers = {"Authorization": f"Bearer {key}"}
+        events = ["job.started", "job.progress", "job.succeeded"]
+        created = httpx.post(f"{base}/v1/jobs", headers=headers, timeout=30, json={
+            **job, "webhook_url": receiver.url, "webhook_events": events})
+        assert created.status_code == 201, created.text
+        batch = httpx.post(f"{base}/v1/batches", headers=headers, timeout=30, json={
+            "jobs": [job], "webhook_url": receiver.url})
+        assert batch.status_code == 201, batch.text
+        secret = httpx.get(f"{base}/v1/webhook-secret", headers=headers,
+                           timeout=30).json()["secret"]
+        deadline = time.monotonic() + 240
+        while not {"job.succeeded", "batch.completed"} <= {
+                r.headers.get("Kiln-Event") for r in receiver.requests}:
+            assert time.monotonic() < deadline, [r.headers for r in receiver.requests]
+            time.sleep(0.5)
+    got = receiver.requests
+    kinds = [r.headers["Kiln-Event"] for r in got]
+    assert {"job.started", "job.succeeded", "batch.completed"} <= set(kinds), kinds
+    for r in got:
+        assert r.headers["webhook-signature"].startswith("v1,"), r.headers
+        assert Webhook(secret).verify(r.body, r.headers)["type"] == r.headers["Kiln-Event"]
