@@ -11,7 +11,9 @@ through: a TCPStore, hosted by rank 0 under our launcher and by the agent under 
 
 Each message is one pickled list, pushed and popped whole (``queue_push``/``queue_pop``); nobody
 blocks in the store: a rank that waits for a message polls (a pop that finds nothing costs one
-round trip, tens of microseconds) and sleeps ``POLL_SECONDS`` in between. The keys carry a
+round trip, tens of microseconds), sleeping 1 ms after the first look, doubling up to
+``MAX_POLL_SECONDS``: a message that comes soon is seen at once, and a rank that waits long
+looks a hundred times a second. The keys carry a
 prefix of the rank set (`open_mailbox`), so a store that outlives a rank set (torchrun's agent
 restarting the ranks) never hands one set's orders to the next.
 """
@@ -25,8 +27,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-# How long a rank that waits for a message sleeps between two looks.
-POLL_SECONDS = 0.002
+# The longest a rank that waits for a message sleeps between two looks.
+FIRST_POLL_SECONDS = 0.001
+MAX_POLL_SECONDS = 0.01
 
 
 class Mailbox:
@@ -60,6 +63,7 @@ class Mailbox:
     def _take(self, key: str, wait: float) -> list[Any]:
         deadline = time.monotonic() + wait
         out: list[Any] = []
+        pause = FIRST_POLL_SECONDS
         while True:
             while True:
                 try:
@@ -67,9 +71,11 @@ class Mailbox:
                 except dist.QueueEmptyError:
                     break
                 out.extend(pickle.loads(blob))  # noqa: S301 - the group's own messages
-            if out or time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if out or left <= 0:
                 return out
-            time.sleep(POLL_SECONDS)
+            time.sleep(min(pause, left))
+            pause = min(MAX_POLL_SECONDS, 2 * pause)
 
 
 def open_mailbox(rank: int, group: Any = None) -> Mailbox:
