@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 
 from fastapi import FastAPI
 from redis import Redis, RedisError
@@ -87,7 +88,7 @@ def create_app(
 
     app = FastAPI(
         title="kiln",
-        version="0.1.0",
+        version=version("kiln"),
         summary="Batch video rendering with diffusion transformers bigger than one accelerator.",
         lifespan=lifespan,
         # /docs is api.routes.docs (Swagger UI under a policy of its own); no ReDoc.
