@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import batch, client, plan, render, service, up, worker
+from kiln.cli import batch, client, health, plan, render, service, up, worker
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kiln: batch video rendering "
                   "with diffusion transformers bigger than one accelerator.")
@@ -36,6 +36,7 @@ def main(
 app.add_typer(client.app)  # submit, status, cancel, celery
 app.add_typer(render.app)  # render, make-checkpoint
 app.add_typer(service.app)  # db, keys, api
+app.add_typer(health.app)  # health worker, health beat
 app.add_typer(up.app)  # up
 app.add_typer(worker.app)  # worker
 app.add_typer(plan.app)  # plan
