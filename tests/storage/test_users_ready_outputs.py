@@ -7,19 +7,17 @@ import secrets
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import boto3
 import pytest
 import redis
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from moto import mock_aws
 from sqlalchemy import create_engine, inspect, make_url, select, text
 from sqlalchemy.orm import Session
 
 import migrations
 from scheduler import queue_index
 from storage import lifecycle, queries, submission
-from storage.outputs import LocalStore, S3Store, checkpoint_key, thumbnail_key, video_key
+from storage.outputs import LocalStore, thumbnail_key, video_key
 from storage.submission import JobSpec
 from storage.tables import ApiKey, Base, JobClass
 from storage.users import authenticate, create_api_key, revoke_api_key
@@ -111,27 +109,6 @@ def test_local_store_writes_atomically_under_job_id_keys(tmp_path: Path) -> None
         video_key("../../etc")
 
 
-def test_s3_store_uses_bucket_prefix_and_presigned_urls() -> None:
-    calls: list[tuple[str, tuple[object, ...], dict[str, object]]] = []
-
-    class FakeClient:
-        def __getattr__(self, name: str):  # records every call the store makes
-            def call(*args: object, **kwargs: object) -> object:
-                calls.append((name, args, kwargs))
-                return "https://s3.example/signed" if name == "generate_presigned_url" else None
-            return call
-
-    store = S3Store("bucket", "/renders/", client=FakeClient(), url_expires_seconds=60)
-    store.put(video_key("a" * 20), Path("/tmp/v.mp4"))
-    assert store.url(video_key("a" * 20)) == "https://s3.example/signed"
-    store.delete(video_key("a" * 20))
-    assert calls[0] == ("upload_file", ("/tmp/v.mp4", "bucket", f"renders/videos/{'a' * 20}.mp4"),
-                        {})
-    assert calls[1][2]["ExpiresIn"] == 60
-    assert calls[2] == ("delete_object", (), {"Bucket": "bucket",
-                                              "Key": f"renders/videos/{'a' * 20}.mp4"})
-
-
 def _fresh_database(backend: str, tmp_path: Path) -> tuple[str, object]:
     if backend == "sqlite":
         return f"sqlite:///{tmp_path / 'm.db'}", None
@@ -188,21 +165,3 @@ def test_index_position_agrees_with_the_database_count(
     queue_index.remove(redis_client, redis_prefix, [made[2].id])
     assert queue_index.position(redis_client, redis_prefix, made[2]) is None
     assert queue_index.position(redis_client, redis_prefix, made[1]) == 0
-
-
-def test_both_stores_list_a_folders_keys_and_nothing_else(tmp_path: Path) -> None:
-    """``keys``: the objects in one folder (the checkpoint clean-up lists its own), under the
-    S3 store's prefix, without files still being written."""
-    with mock_aws():
-        client = boto3.client("s3", region_name="us-east-1")
-        client.create_bucket(Bucket="bucket")
-        stores = [LocalStore(tmp_path), S3Store("bucket", "renders", client=client)]
-        for store in stores:
-            for job_id in ("b" * 20, "a" * 20):
-                store.put_bytes(checkpoint_key(job_id), b"state")
-            store.put_bytes(video_key("c" * 20), b"video")
-            assert store.keys("checkpoints") == [checkpoint_key("a" * 20),
-                                                 checkpoint_key("b" * 20)]
-            assert store.keys("previews") == []
-        (tmp_path / "checkpoints" / ".tmp-x.ckpt").write_bytes(b"half")
-        assert len(stores[0].keys("checkpoints")) == 2
