@@ -63,6 +63,9 @@ class Family:
     previews: bool = False
     # Whether its pipeline splits one job's token sequence over a replica's ranks (sp > 1).
     sequence_parallel: bool = False
+    # The kinds of input file ("image", "video") its pipeline conditions a render on; empty:
+    # text only, and a request that brings a file is refused naming the parameter.
+    inputs: frozenset[str] = frozenset()
     # A clip has frame_base + k * frame_stride frames, between min_frames and max_frames: 1 + 4k
     # for the causal VAEs (the first frame alone, then 4 per latent frame); MiniMax-H3's VAE
     # encodes clips of 17 frames into 5 latents plus two, so 5 + 17k, from 5 s to 15 s.

@@ -124,6 +124,18 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024, ge=1024)
     # POST /v1/batches carries a whole prompt list (JSON or JSONL), so it gets its own limit.
     max_batch_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    # Input files (POST /v1/files, /v1/videos' input_reference): refused over this many bytes
+    # (413) as the upload streams in, before it is decoded; counted on the file, not the form.
+    max_upload_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Every input is decoded and checked before anything keeps it (storage.media). Pixels of an
+    # image or of a video's frame, read from the header before any pixel is decoded: a 48-MP
+    # phone photo (8000x6000) fits, and decodes to 144 MB of RGB. At most Pillow's own
+    # decompression-bomb bound (PIL.Image.MAX_IMAGE_PIXELS), which kiln does not raise.
+    max_input_pixels: int = Field(default=48_000_000, ge=64, le=89_478_485)
+    # A video's frames and seconds, checked from the container's header and again while every
+    # frame is decoded (a header can lie): 30 s at 30 fps.
+    max_input_frames: int = Field(default=900, ge=1)
+    max_input_seconds: float = Field(default=30.0, gt=0)
     max_schedule_days: int = Field(default=30, ge=1)  # how far ahead not_before/deadline may be
     # Queued jobs a user may hold at once; beyond it submits get 429 with Retry-After. Room for
     # an overnight batch of thousands of prompts; a batch larger than this is refused whole.

@@ -1,11 +1,12 @@
-"""Output stores: where finished videos and thumbnails live.
+"""Output stores: where finished videos and thumbnails live, and uploaded inputs.
 
 One small interface, two implementations: `LocalStore` (a directory; the default) and `S3Store`
 (any S3-compatible server; needs the ``s3`` extra). Keys come from `video_key`, `thumbnail_key`,
 `preview_key` (a running job's latest preview frame) and `checkpoint_key` (its latest
-denoising checkpoint), which derive them from the job id alone, so no request field ever becomes
-part of a path. Every write is atomic: a write that fails leaves nothing under the key (or the
-object that was there).
+denoising checkpoint), which derive them from the job id alone, and `input_key` (an uploaded
+input, from its file id and checked format), so no request field ever becomes part of a path.
+Every write is atomic: a write that fails leaves nothing under the key (or the object that was
+there).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def thumbnail_key(job_id: str) -> str:
 def preview_key(job_id: str) -> str:
     """A running job's newest preview frame (PNG), replaced while it runs, deleted when it ends."""
     return _checked(f"previews/{job_id}.png")
+
+
+def input_key(file_id: str, extension: str) -> str:
+    """An uploaded input's bytes (`storage.input_files`); the extension is the one its checked
+    content has (`storage.media`), never the client's."""
+    return _checked(f"inputs/{file_id}.{extension}")
 
 
 def checkpoint_key(job_id: str) -> str:

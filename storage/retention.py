@@ -1,9 +1,11 @@
-"""Retention: finding jobs whose outputs have been kept long enough, and marking them purged.
+"""Retention: finding jobs whose outputs have been kept long enough, and marking them purged;
+finding uploaded input files kept as long.
 
-The row stays (accounting, history, the owner can still see what they asked for); only the video
-and thumbnail go. The caller deletes the objects from the store first and marks the row after, so
-a crash in between leaves a row that the next run finds again (deleting an absent object is not an
-error) instead of objects that no row points to any more.
+A job's row stays (accounting, history, the owner can still see what they asked for); only the
+video and thumbnail go. An input file goes whole, its row with its object. Either way the caller
+deletes the objects from the store first and changes the row after, so a crash in between leaves
+a row that the next run finds again (deleting an absent object is not an error) instead of
+objects that no row points to any more.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from datetime import datetime
 from sqlalchemy import insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from storage.tables import TERMINAL_STATES, Job, JobEvent, utcnow
+from storage.tables import TERMINAL_STATES, InputFile, Job, JobEvent, utcnow
 
 _TERMINAL = [s.value for s in TERMINAL_STATES]
 
@@ -63,3 +65,16 @@ def mark_purged(session: Session, outputs: Outputs, *, now: datetime | None = No
         detail={"reason": "retention", "keys": list(outputs.keys)}))
     session.commit()
     return True
+
+
+def expired_inputs(session: Session, *, created_before: datetime,
+                   limit: int = 200) -> list[tuple[str, str]]:
+    """(file id, store key) of the input files (oldest first) uploaded before
+    ``created_before``; the caller deletes each object, then the row
+    (`storage.input_files.forget_input_file`)."""
+    stmt = (select(InputFile.id, InputFile.storage_key)
+            .where(InputFile.created_at < created_before)
+            .order_by(InputFile.created_at).limit(limit))
+    found = [(file_id, key) for file_id, key in session.execute(stmt)]
+    session.rollback()  # end the read transaction
+    return found

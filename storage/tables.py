@@ -1,5 +1,5 @@
 """SQLAlchemy tables: users with their API keys and webhook secrets, jobs, batches, worker
-groups, job events.
+groups, job events, uploaded input files.
 
 The schema is created and changed only by the Alembic revisions in ``migrations/``; these classes
 are what the code reads and writes, and a test checks that the two agree.
@@ -349,3 +349,32 @@ class WebhookAttempt(Base):
 # The webhook sweeper (recently finished jobs) and retention (long-finished jobs) both range over
 # finished_at.
 Index("ix_jobs_finished_at", Job.finished_at)
+
+
+class InputFile(Base):
+    """An uploaded input, an image or a video, that requests reference by id. It was decoded and
+    checked (`storage.media`) before its bytes went to the output store under ``storage_key`` and
+    this row was written; what it is (kind, content type, size) comes from its content."""
+
+    __tablename__ = "input_files"
+    __table_args__ = (
+        CheckConstraint("kind IN ('image', 'video')", name="kind"),
+        # Listing one user's files newest first, and retention's oldest first.
+        Index("ix_input_files_owner_created", "owner_id", "created_at", "id"),
+        Index("ix_input_files_created", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(JOB_ID_LENGTH), primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(8))
+    purpose: Mapped[str] = mapped_column(String(16))  # as the upload said (`api.schemas`)
+    content_type: Mapped[str] = mapped_column(String(32))
+    # The client's name for it, shown back to its owner; never part of a path.
+    filename: Mapped[str | None] = mapped_column(String(255))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    width: Mapped[int]  # after EXIF orientation
+    height: Mapped[int]
+    num_frames: Mapped[int]  # 1 for an image
+    duration_seconds: Mapped[float | None] = mapped_column(Float)  # None for an image
+    storage_key: Mapped[str] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
