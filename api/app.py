@@ -18,6 +18,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
+from api import uploads
 from api.deps import KeyCache
 from api.errors import BodySizeLimit, install_error_handlers
 from api.events import StreamCount
@@ -29,6 +30,7 @@ from api.routes import (
     dashboard,
     docs,
     events,
+    files,
     jobs,
     models,
     system,
@@ -108,7 +110,9 @@ def create_app(
     app.state.started_at = utcnow()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
-                       per_path={"/v1/batches": settings.max_batch_body_bytes})
+                       per_path={"/v1/batches": settings.max_batch_body_bytes,
+                                 "/v1/files": uploads.body_limit(settings),
+                                 "/v1/videos": uploads.body_limit(settings)})
     # Outermost, so that the size limit's own refusals carry the headers too.
     app.add_middleware(SecurityHeaders, policy=page_policy(store_origin(app.state.store)))
     app.include_router(jobs.router)
@@ -119,6 +123,7 @@ def create_app(
     app.include_router(events.router)
     app.include_router(models.router)
     app.include_router(docs.router)
+    app.include_router(files.router)
     app.include_router(webhook_secret.router)
     return app
 

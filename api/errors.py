@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-    422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+    415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+    503: "service_unavailable",
 }
 
 
@@ -78,7 +79,25 @@ def validation_error_response(errors: Sequence[Any]) -> JSONResponse:
     )
 
 
+class Refusal(Exception):
+    """A 4xx that names the parameter at fault and a stable code in the OpenAI shape (an
+    HTTPException carries a message only)."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(Refusal)
+    async def _refusal(_: Request, exc: Refusal) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, exc.message, param=exc.param,
+                                       code=exc.code), status_code=exc.status_code)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error_response(exc.errors())

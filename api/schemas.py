@@ -351,6 +351,49 @@ class VideoDeleted(BaseModel):
     deleted: bool = True
 
 
+# An upload's purpose: the kind of input it must be. "vision" (an image) and "user_data" (either)
+# are the OpenAI SDK's names for the same.
+FilePurpose = Literal["image", "video", "vision", "user_data"]
+PURPOSE_KINDS: dict[str, tuple[str, ...]] = {
+    "image": ("image",), "vision": ("image",), "video": ("video",),
+    "user_data": ("image", "video"),
+}
+
+
+class FilePublic(BaseModel):
+    """An uploaded input file in the OpenAI ``File`` shape, with what kiln found in it."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int = Field(description="Unix seconds")
+    expires_at: int | None = Field(description="Unix seconds when retention deletes it; null: "
+                                               "kept")
+    filename: str | None
+    purpose: str
+    status: Literal["processed"] = "processed"  # every stored file was decoded and checked
+    kind: Literal["image", "video"]
+    content_type: str = Field(description="from the content, not the upload's header")
+    width: int = Field(description="after EXIF orientation")
+    height: int
+    num_frames: int = Field(description="1 for an image")
+    duration_seconds: float | None = Field(description="null for an image")
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FilePublic]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
 class RankPublic(BaseModel):
     rank: int
     replica: int | None = None  # the replica this rank renders with (rank // sp)

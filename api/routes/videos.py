@@ -2,7 +2,9 @@
 
 Statuses map queued -> queued, running -> in_progress, succeeded -> completed, and every other
 end (failed, cancelled, dead, expired) -> failed with ``error.code`` saying which. A job made here
-is an ordinary kiln job: the native routes see it too.
+is an ordinary kiln job: the native routes see it too. ``input_reference`` (a file, or the id of
+an upload) is decoded and checked like an upload, then refused with a 400 naming it where the
+model takes no input of its kind.
 """
 
 from __future__ import annotations
@@ -12,82 +14,177 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 
-from api import bodies, jobs
+from api import bodies, jobs, uploads
 from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep, StoreDep
+from api.errors import Refusal
 from api.routes.jobs import IdempotencyKey, JobId, serve_output, visible_job
 from api.schemas import VideoCreate, VideoDeleted, VideoList, VideoPublic
-from storage import lifecycle, pagination, queries
+from common.settings import Settings
+from storage import input_files, lifecycle, pagination, queries
+from storage.tables import User
 
 router = APIRouter(prefix="/v1/videos", tags=["openai-compatible"])
 
+
+
+def _create_schema(reference: dict[str, Any]) -> dict[str, Any]:
+    schema = VideoCreate.model_json_schema()
+    schema["properties"]["input_reference"] = reference
+    return schema
+
+
+_FILE_ID = {"type": "object", "required": ["file_id"],
+            "properties": {"file_id": {"type": "string"}},
+            "description": "an earlier upload (POST /v1/files)"}
 _CREATE_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "multipart/form-data": {"schema": VideoCreate.model_json_schema()},
-            "application/json": {"schema": VideoCreate.model_json_schema()},
+            "multipart/form-data": {"schema": _create_schema({"anyOf": [
+                {"type": "string", "format": "binary",
+                 "description": "a PNG, JPEG or WebP image or an MP4 or WebM video"},
+                _FILE_ID]})},
+            "application/json": {"schema": _create_schema(_FILE_ID)},
         },
     }
 }
 
 
-async def _read_create_body(request: Request) -> dict[str, Any]:
-    """The SDK sends multipart/form-data; plain clients may send JSON or a urlencoded form."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type == "application/json":
-        try:
-            data = bodies.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RequestValidationError(
-                [{"loc": ("body",), "msg": "body is not valid JSON", "type": "json_invalid"}]
-            ) from exc
-        if not isinstance(data, dict):
-            raise RequestValidationError(
-                [{"loc": ("body",), "msg": "must be a JSON object", "type": "model_type"}])
-        return data
-    if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        try:
-            form = await request.form(max_files=1, max_fields=32)
-        except Exception as exc:  # the multipart parser's own errors: malformed input
-            raise HTTPException(status.HTTP_400_BAD_REQUEST,
-                                f"malformed form body: {exc}") from exc
-        try:
-            items = list(form.multi_items())
-        finally:
-            await form.close()  # uploaded parts are temporary files
-        data: dict[str, Any] = {}
-        for key, value in items:
-            if isinstance(value, UploadFile) or key == "input_reference":
-                raise RequestValidationError([{
-                    "loc": ("body", key), "type": "unsupported",
-                    "msg": "reference images and file uploads are not supported",
-                }])
+# input_reference as the OpenAI SDK sends it: a file part, or {"file_id": ...} (in a form,
+# "input_reference[file_id]"); an image_url, which kiln would have to fetch, is not taken.
+Reference = UploadFile | str
+
+
+async def _read_json(request: Request, settings: Settings) -> dict[str, Any]:
+    # This route's body limit is an upload's (api.uploads.body_limit); JSON holds no file, so
+    # it is held to max_body_bytes as it arrives.
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > settings.max_body_bytes:
+            raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
+                                f"request body is larger than the {settings.max_body_bytes} "
+                                f"bytes allowed")
+        chunks.append(chunk)
+    try:
+        data = bodies.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestValidationError(
+            [{"loc": ("body",), "msg": "body is not valid JSON", "type": "json_invalid"}]
+        ) from exc
+    if not isinstance(data, dict):
+        raise RequestValidationError(
+            [{"loc": ("body",), "msg": "must be a JSON object", "type": "model_type"}])
+    return data
+
+
+async def _read_form(request: Request, settings: Settings) -> tuple[FormData, dict[str, Any]]:
+    form = await uploads.read_form(request, settings, max_fields=32)
+    data: dict[str, Any] = {}
+    try:
+        for key, value in form.multi_items():
             if key in data:
                 raise RequestValidationError(
                     [{"loc": ("body", key), "msg": "given more than once", "type": "duplicate"}])
+            if isinstance(value, UploadFile) and key != "input_reference":
+                raise RequestValidationError([{"loc": ("body", key), "type": "unsupported",
+                                               "msg": "only input_reference takes a file"}])
             data[key] = value
-        return data
-    raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
-                        "send multipart/form-data or application/json")
+    except BaseException:
+        await form.close()
+        raise
+    return form, data
+
+
+def _pop_reference(raw: dict[str, Any]) -> Reference | None:
+    """Takes ``input_reference`` out of the body: the file part, or the file id of
+    ``{"file_id": ...}`` (``input_reference[file_id]`` in a form)."""
+    keys = [k for k in raw if k == "input_reference" or k.startswith("input_reference[")]
+    if not keys:
+        return None
+    if len(keys) > 1:
+        raise Refusal(422, "input_reference: give a file or a file_id, once",
+                      param="input_reference", code="duplicate")
+    key, value = keys[0], raw.pop(keys[0])
+    if key == "input_reference" and isinstance(value, UploadFile):
+        return value
+    if key == "input_reference" and isinstance(value, dict) and set(value) == {"file_id"}:
+        value = value["file_id"]
+    elif key != "input_reference[file_id]":
+        raise Refusal(400, 'input_reference: give a file, or {"file_id": ...} of an upload '
+                           "(POST /v1/files); kiln fetches no image_url",
+                      param="input_reference", code="unsupported_parameter")
+    if not isinstance(value, str) or not value:
+        raise Refusal(422, "input_reference: file_id must be a non-empty string",
+                      param="input_reference", code="invalid_type")
+    return value
+
+
+async def _reference_kind(reference: Reference, session: Session, user: User,
+                          settings: Settings) -> str:
+    """The kind ("image", "video") of a valid reference; the refusal of a bad one: an
+    upload's own (`api.uploads.check_upload`), or 404 for a file id the caller does not own."""
+    if isinstance(reference, UploadFile):
+        return (await uploads.check_upload(reference, settings, param="input_reference")).kind
+    row = await run_in_threadpool(input_files.get_input_file, session, reference, user)
+    if row is None:
+        raise Refusal(404, "input_reference: file not found", param="input_reference",
+                      code="file_not_found")
+    return row.kind
+
+
+def _refuse_unconditioned(settings: Settings, model: str, kind: str) -> None:
+    """400 in the OpenAI shape when ``model`` cannot take a ``kind`` input, naming the models
+    of this deployment that can."""
+    if kind in jobs.admission_family(settings, model).inputs:
+        return
+    able = [m for m in settings.models if kind in jobs.admission_family(settings, m).inputs]
+    hint = (f"models that take one: {', '.join(able)}" if able
+            else "no model of this deployment takes one")
+    raise Refusal(400, f"input_reference: model {model!r} cannot take an {kind} input; {hint}",
+                  param="input_reference", code="unsupported_parameter")
 
 
 @router.post("", response_model=VideoPublic, openapi_extra=_CREATE_BODY,
-             responses={409: {"description": "Idempotency-Key reused with another body"},
+             responses={400: {"description": "The model cannot take input_reference"},
+                        409: {"description": "Idempotency-Key reused with another body"},
+                        413: {"description": "input_reference is larger than max_upload_bytes"},
+                        415: {"description": "input_reference is not an accepted type"},
                         429: {"description": "Too many queued jobs; see Retry-After"}})
 async def create_video(request: Request, user: CurrentUser, session: SessionDep,
                        redis: RedisDep, settings: SettingsDep, response: Response,
                        idempotency_key: IdempotencyKey = None) -> VideoPublic:
-    raw = await _read_create_body(request)
+    """The SDK sends multipart/form-data; plain clients may send JSON or a urlencoded form. An
+    ``input_reference`` is decoded and checked before the model is asked whether it takes one,
+    so a bad file gets its own refusal."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    form = None
+    if content_type == "application/json":
+        raw = await _read_json(request, settings)
+    elif content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        form, raw = await _read_form(request, settings)
+    else:
+        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
+                            "send multipart/form-data or application/json")
     try:
-        body = VideoCreate.model_validate(raw)
-    except ValidationError as exc:
-        raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-        ) from exc
-    spec = jobs.spec_from_video_create(body, settings, jobs.now())
+        reference = _pop_reference(raw)
+        try:
+            body = VideoCreate.model_validate(raw)
+        except ValidationError as exc:
+            raise RequestValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+            ) from exc
+        spec = jobs.spec_from_video_create(body, settings, jobs.now())
+        if reference is not None:
+            kind = await _reference_kind(reference, session, user, settings)
+            _refuse_unconditioned(settings, spec.model, kind)
+    finally:
+        if form is not None:
+            await form.close()  # uploaded parts are temporary files
     digest = jobs.request_hash("video", body.model_dump(mode="json"))
 
     def store() -> VideoPublic:
