@@ -42,7 +42,7 @@ from kiln import signing, webhook_client
 from kiln.webhook_client import Posted
 from scheduler import queue_index
 from scheduler.attempts import settle
-from storage import lifecycle, queries, retention, webhook_secrets, webhooks
+from storage import input_files, lifecycle, queries, retention, webhook_secrets, webhooks
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, checkpoint_key, make_store
 from storage.tables import Batch, Job, JobState, utcnow
@@ -601,10 +601,30 @@ def clean_up_checkpoints(ctx: Context) -> list[str]:
     return gone
 
 
+def clean_up_inputs(ctx: Context, *, now: datetime | None = None) -> list[str]:
+    """Deletes the input files uploaded more than ``retention_days`` ago, each object before its
+    row (see storage.retention); returns their ids. ``retention_days = 0`` keeps everything."""
+    days = ctx.settings.retention_days
+    if days == 0:
+        return []
+    cutoff = (now or utcnow()) - timedelta(days=days)
+    deleted: list[str] = []
+    while True:
+        with ctx.sessions() as session:
+            found = retention.expired_inputs(session, created_before=cutoff,
+                                             limit=_CLEAN_UP_CHUNK)
+            for file_id, key in found:
+                ctx.store.delete(key)
+                if input_files.forget_input_file(session, file_id):
+                    deleted.append(file_id)
+        if len(found) < _CLEAN_UP_CHUNK:
+            return deleted
+
+
 @app.task(name="kiln.clean_up_outputs", ignore_result=True)
 def clean_up_outputs() -> int:
     ctx = _context()
-    return len(clean_up(ctx)) + len(clean_up_checkpoints(ctx))
+    return len(clean_up(ctx)) + len(clean_up_checkpoints(ctx)) + len(clean_up_inputs(ctx))
 
 
 def enqueue_job_finished(session: Session, job_id: str) -> bool:

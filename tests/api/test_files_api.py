@@ -17,7 +17,6 @@ from servers import Server
 from sqlalchemy import func, select
 
 from api.app import create_app
-from storage.outputs import LocalStore
 from storage.tables import InputFile, Job
 
 pytestmark = pytest.mark.filterwarnings(
