@@ -69,6 +69,9 @@ HANDED_BACK = "handed back: the worker group stopped"
 LEASE_LOST = "the lease of this attempt was lost"
 # Jobs a replica may hold at once: the one it runs and one it suspended for an interactive job.
 MAX_JOBS_PER_REPLICA = 2
+# At their own pace, how long the coordinator waits for a held replica to say it waits at its
+# step boundary before it may hold one again (the replica's own hold lapses sooner).
+HOLD_RETRY_SECONDS = 1.0
 # A job that sits turns out has its heartbeat (its step, a cancel request) at most this often,
 # not every turn: the turns it waits through are the short turns of the job it waits for. The
 # lease thread keeps its lease meanwhile.
@@ -227,6 +230,11 @@ class Coordinator:
         # pace the ranks report when they step, each on its own).
         self.rank_reports: dict[int, RankReport] = {}
         self.own_pace = False
+        # At their own pace a replica is preempted in two plans: a hold first (it stops at its
+        # next step boundary), then, once it says it waits there, the claim of the interactive
+        # job for it. Replica -> when its hold went out, and the replicas that wait.
+        self.holds: dict[int, float] = {}
+        self.waiting: set[int] = set()
         self._backoff = 0.0  # seconds claims pause after the last outage error
         self._claims_resume_at = 0.0  # by the clock
         self._last_report = -float("inf")
@@ -375,23 +383,42 @@ class Coordinator:
         """Claims jobs for the free replicas into ``plan.assign``; with none free, in a group
         whose goal is latency (interactive jobs first), an interactive job that is due is
         claimed for the replica whose batch job has the most work left, which suspends that job
-        in place (`scheduler.turns.preempt_target`). A throughput group serves batch work
-        first: it does not preempt it."""
+        in place (`scheduler.turns.preempt_target`). At their own pace that replica is held
+        first (`StepPlan.hold`), and the job claimed for it once it waits at its step boundary:
+        a claim made in the middle of its step would wait for the rest of that step. A
+        throughput group serves batch work first: it does not preempt it."""
         held = {h.replica for h in self.held.values()}
         free = [r for r in self.layout.leaders if r not in held and r not in self.full_ranks]
         job_class = None
         if not free:
             if GOAL_PREFERS[self.goal] != INTERACTIVE:
                 return
-            now = self.clock()
-            target = preempt_target(
-                [h.held_job(now) for h in self.held.values()],
-                [r for r in self.layout.leaders if r not in self.full_ranks],
-                max_jobs_per_replica=MAX_JOBS_PER_REPLICA, config=self.turns)
+            target = self._preempt_target()
             if target is None or not self.io.interactive_due():
                 return
+            if self.own_pace and target not in self.waiting:
+                if self.clock() - self.holds.get(target, -float("inf")) > HOLD_RETRY_SECONDS:
+                    self.holds[target] = self.clock()
+                    plan.hold.append(target)
+                return
+            self.holds.pop(target, None)
+            self.waiting.discard(target)
             free, job_class = [target], INTERACTIVE
         plan.assign = self._claim(free, job_class)
+
+    def _preempt_target(self) -> int | None:
+        """The replica whose batch job an interactive job would suspend; at their own pace, one
+        already waiting at its step boundary for it goes first while it still qualifies."""
+        now = self.clock()
+        held = [h.held_job(now) for h in self.held.values()]
+        replicas = [r for r in self.layout.leaders if r not in self.full_ranks]
+        waiting = [r for r in replicas if r in self.waiting] if self.own_pace else []
+        for candidates in (waiting, replicas):
+            target = preempt_target(held, candidates, max_jobs_per_replica=MAX_JOBS_PER_REPLICA,
+                                    config=self.turns) if candidates else None
+            if target is not None:
+                return target
+        return None
 
     def _claim(self, free: list[int], job_class: str | None = None) -> dict[int, Ticket]:
         # A replica offered to an interactive job holds the batch job it will suspend: to the
@@ -447,6 +474,12 @@ class Coordinator:
             self._finish(m)
         self.rank_reports.update((m.rank, m) for m in messages
                                  if isinstance(m, RankReport) and m.memory)
+        for m in messages:
+            if isinstance(m, RankReport) and self.layout.is_leader(m.rank):
+                if m.waiting:
+                    self.waiting.add(m.rank)
+                else:
+                    self.waiting.discard(m.rank)
         self._note_writers(list(self.rank_reports.values()))
         self._track()
         now = self.clock()

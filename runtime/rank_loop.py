@@ -128,6 +128,11 @@ class StepPlan:
     abandon: list[str] = field(default_factory=list)
     stop: bool = False  # leave the loop (every rank)
     step: bool = False  # some rank has a job: every rank runs one step
+    # Replicas at their own pace: these replicas stop at their next step boundary, report
+    # (`RankReport.waiting`) and wait up to HOLD_SECONDS for their next orders before they step
+    # again: a job about to be claimed for them (an interactive one that preempts their batch
+    # job) then starts at once rather than after a step it arrived in the middle of.
+    hold: list[int] = field(default_factory=list)
 
 
 # What the ranks tell rank 0 after each turn, gathered there and handed to the driver: one
@@ -191,6 +196,7 @@ class RankReport:
     memory: dict[str, Any] = field(default_factory=dict)
     takes_jobs: bool = True
     store_error: str | None = None
+    waiting: bool = False  # at a step boundary on a `StepPlan.hold`, waiting for orders
 
 
 RankMessage = Progress | Rendered | Ended | RankReport
@@ -657,13 +663,14 @@ class RankLoop:
                 self._checkpoints_ended.append(job_id)
             self._writes.notify_all()
 
-    def progress(self) -> list[Progress]:
-        """Every held job's place after the turn."""
+    def progress(self, stepped: bool = True) -> list[Progress]:
+        """Every held job's place after the turn (``stepped``: whether this rank computed in
+        it)."""
         return [Progress(rank=self.rank, job_id=j.ticket.job_id,
                          attempt_token=j.ticket.attempt_token, step=j.state.step_index,
                          num_inference_steps=j.state.num_inference_steps,
                          compute_seconds=j.compute_seconds, resumed_from_step=j.resumed_from_step,
-                         computed=j is self.current)
+                         computed=stepped and j is self.current)
                 for j in self.jobs]
 
     # Checkpoints of the jobs' denoising states.
@@ -740,13 +747,13 @@ class RankLoop:
                     log.warning("rank %d: job %s's checkpoint not deleted: %s", self.rank,
                                 job_id, _one_line(exc))
 
-    def report(self) -> RankReport:
+    def report(self, waiting: bool = False) -> RankReport:
         """This rank's own status for the turn: memory, whether it takes a new job, and the
         storage's error while its writes keep failing."""
         with self._writes:
             held, error = len(self._held), self.store_error
         return RankReport(rank=self.rank, memory=self.memory(), store_error=error,
-                          takes_jobs=held < self.max_held_jobs)
+                          takes_jobs=held < self.max_held_jobs, waiting=waiting)
 
     def memory(self) -> dict[str, Any]:
         free, total = self.platform.mem_get_info()
@@ -863,18 +870,28 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
     if driver is not None:
         conductor = _Conductor(driver, mailbox.clone(), layout, stop_event, peer_timeout_s)
         conductor.start()
+    hold_until: float | None = None  # the leader's, while on a hold: when it lapses
     try:
         while True:
             if conductor is not None and conductor.error is not None:
                 raise RuntimeError("the group's coordinator failed") from conductor.error
             orders: list[StepPlan] = []
+            holding = False
             if loop.leads:
-                orders = mailbox.orders(loop.slot,
-                                        wait=0.0 if loop.jobs else IDLE_REPORT_SECONDS)
+                # On a hold the replica takes no step until its orders come or the hold lapses.
+                left = None if hold_until is None else hold_until - time.monotonic()
+                wait = (IDLE_REPORT_SECONDS if not loop.jobs else 0.0 if left is None
+                        else max(0.0, left))
+                orders = mailbox.orders(loop.slot, wait=wait)
+                if any(loop.slot in plan.hold for plan in orders):
+                    hold_until = time.monotonic() + HOLD_SECONDS
+                elif orders or (hold_until is not None and time.monotonic() >= hold_until):
+                    hold_until = None
+                holding = hold_until is not None
             if replica_group is not None:
-                box: list[Any] = [orders]
+                box: list[Any] = [(orders, holding)]
                 dist.broadcast_object_list(box, src=loop.slot, group=replica_group)
-                orders = box[0]
+                orders, holding = box[0]
             messages: list[RankMessage] = []
             if any(plan.stop for plan in orders):
                 loop.checkpoint_all()
@@ -883,15 +900,15 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
                 messages.extend(loop.apply(plan))
             if loop.current is None:
                 loop.pick()
-            stepped = loop.current is not None
+            stepped = loop.current is not None and not holding
             if stepped:
                 assert loop.state is not None
                 ended = loop.step(loop.pipe.handles_needed(loop.state))
                 if ended is not None:
                     messages.append(ended)
             if loop.leads:
-                messages.extend(loop.progress())
-            messages.append(loop.report())
+                messages.extend(loop.progress(stepped))
+            messages.append(loop.report(waiting=holding))
             mailbox.report(messages)
             loop.reported()
     finally:
@@ -906,6 +923,9 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
 # How long a rank at its own pace without a job waits for orders before it reports itself all
 # the same: rank 0 hears from every rank at least this often.
 IDLE_REPORT_SECONDS = 0.5
+# The longest a replica on a hold (`StepPlan.hold`) waits for its orders before it goes on with
+# its job by itself (the job it was held for went elsewhere).
+HOLD_SECONDS = 0.5
 
 
 def _replica_group(rank: int, layout: Layout) -> Any:
@@ -968,7 +988,7 @@ class _Conductor:
         the drops, hand-backs and abandons (a replica ignores the jobs it does not hold)."""
         for replica in self.layout.leaders:
             part = StepPlan(drop=plan.drop, hand_back=plan.hand_back, abandon=plan.abandon,
-                            stop=plan.stop)
+                            stop=plan.stop, hold=[replica] if replica in plan.hold else [])
             ticket = plan.assign.get(replica)
             if ticket is not None:
                 part.assign = {replica: ticket}
@@ -978,7 +998,7 @@ class _Conductor:
                 part.run = {replica: run}
                 self._ran[replica] = run
             if (part.assign or part.run or part.drop or part.hand_back or part.abandon
-                    or part.stop):
+                    or part.hold or part.stop):
                 self.mailbox.send(replica, [part])
 
     def _check_peers(self, messages: list[RankMessage]) -> None:

@@ -133,7 +133,8 @@ def preempt_target(held: Iterable[HeldJob], replicas: Iterable[int], *,
     config = config or TurnConfig()
     by_replica: dict[int, list[HeldJob]] = {r: [] for r in replicas}
     for job in calibrated(list(held)):
-        by_replica.setdefault(job.replica, []).append(job)
+        if job.replica in by_replica:
+            by_replica[job.replica].append(job)
     best: tuple[float, int] | None = None
     for replica, jobs in by_replica.items():
         if not jobs or len(jobs) >= max_jobs_per_replica:

@@ -46,7 +46,9 @@ LONG = VideoRequest(prompt="a green dot", width=64, height=64, num_frames=9,
 
 class Script:
     """Big on replica 0 and small on replica 1 at once; once small has ended, a long job on
-    replica 1, cancelled at its step 5; stops when big has ended."""
+    replica 1, cancelled at its step 5. At their own pace, once big has run 2 steps, replica 0
+    is held and, once it says it waits, given job "i" (small's request), which runs before big
+    goes on. Stops when big has ended."""
 
     def __init__(self) -> None:
         self.own_pace: bool | None = None
@@ -54,6 +56,9 @@ class Script:
         self.ended: dict[str, Ended] = {}
         self.big_step_at_small_end: int | None = None
         self.began = self.sent_long = self.dropped_long = False
+        self.held = self.sent_i = False
+        self.big_step_when_waiting: int | None = None
+        self.big_step_at_i_end: int | None = None
 
     def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
         self.own_pace = own_pace
@@ -72,6 +77,12 @@ class Script:
             plan.drop = {"long": "cancelled by the test"}
         elif "big" in self.ended and "long" in self.ended:
             plan = StepPlan(stop=True)
+        if self.own_pace and not self.held and self.steps.get("big", [0])[-1] >= 2:
+            self.held = True
+            plan.hold = [0]
+        elif self.big_step_when_waiting is not None and not self.sent_i:
+            self.sent_i = True
+            plan.assign[0] = Ticket(job_id="i", attempt_token="t", request=SMALL)
         return plan
 
     def record(self, messages: list[RankMessage]) -> None:
@@ -82,6 +93,10 @@ class Script:
                 self.ended[m.job_id] = m
                 if m.job_id == "small":
                     self.big_step_at_small_end = self.steps.get("big", [0])[-1]
+                if m.job_id == "i":
+                    self.big_step_at_i_end = self.steps["big"][-1]
+            elif isinstance(m, RankReport) and m.waiting and self.big_step_when_waiting is None:
+                self.big_step_when_waiting = self.steps["big"][-1]
 
     def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
         pass
@@ -99,7 +114,9 @@ def _rank(rank: int, world: int, use_allgather: bool) -> dict[str, Any] | None:
         return None
     return {"own_pace": script.own_pace, "steps": script.steps,
             "ended": {j: (m.outcome, m.step) for j, m in script.ended.items()},
-            "big_step_at_small_end": script.big_step_at_small_end}
+            "big_step_at_small_end": script.big_step_at_small_end,
+            "big_step_when_waiting": script.big_step_when_waiting,
+            "big_step_at_i_end": script.big_step_at_i_end}
 
 
 @pytest.mark.parametrize("use_allgather", [False, True], ids=["rank-local", "allgather"])
@@ -117,8 +134,13 @@ def test_a_small_job_beside_a_big_one_keeps_its_own_pace_unless_the_weights_are_
     assert outcome == "cancelled" and 5 <= step < 200
     if use_allgather:
         assert out["big_step_at_small_end"] >= 4  # one turn of the big job per small step
+        assert "i" not in out["ended"]  # no hold in lock-step
     else:
         assert out["big_step_at_small_end"] <= 2, out
+        # Held at a step boundary, replica 0 stepped no more until "i" came, then ran "i"
+        # whole before big's next step.
+        assert out["ended"]["i"] == ("succeeded", 4)
+        assert out["big_step_when_waiting"] == out["big_step_at_i_end"] >= 2, out
 
 
 def _sp_rank(rank: int, world: int) -> list[Any] | None:

@@ -252,6 +252,23 @@ def test_a_due_interactive_job_preempts_the_batch_job_with_the_most_work_left() 
     assert [j for j, _, e in g.io.ended] == ["i"]
 
 
+def test_at_their_own_pace_the_replica_is_held_at_its_step_boundary_before_the_claim() -> None:
+    g = Group(dp=2)
+    g.c.own_pace = True  # what start(..., own_pace=True) sets, without the lease thread
+    g.io.submit("long", steps=100)
+    g.io.submit("short", steps=40)
+    g.turn()
+    g.io.submit("i", INTERACTIVE, steps=4)
+    plan = g.plan()
+    assert plan.hold == [0] and plan.assign == {}  # nothing claimed in the middle of a step
+    assert g.c.next_plan(False).hold == []  # one hold at a time
+    g.c.record([RankReport(rank=0, memory={"rank": 0}, waiting=True)])
+    plan = g.plan()
+    assert {r: t.job_id for r, t in plan.assign.items()} == {0: "i"}
+    assert g.io.claims_asked[-1] == ([0], INTERACTIVE)
+    assert plan.hold == [] and plan.run is not None and plan.run[0] == "i"
+
+
 @pytest.mark.parametrize(("goal", "arriving"), [("throughput", INTERACTIVE), ("latency", BATCH)],
                          ids=["throughput group", "no interactive job due"])
 def test_no_preemption_in_a_throughput_group_or_without_an_interactive_job_due(
