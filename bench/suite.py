@@ -484,7 +484,10 @@ def _overnight_section(night: dict[str, Any]) -> list[str]:
              "run. Wait: submit to the first step seen (polled every "
              f"{a['poll_ms']:.0f} ms); latency: submit to end, and claim to end (the database's "
              "timestamps); makespan: "
-             "the batch jobs' first claim to their last end.", "",
+             "the batch jobs' first claim to their last end. The rounds ran solo, alone, mixed "
+             f"in turn ({a.get('rounds', 1)} of each); the interactive figures pool every round, "
+             "the makespan is the median round's, held against the alone makespan just before "
+             "it.", "",
              "| mode | batch step, s | wait p95, s (bound) | latency p95, s (2x solo) | "
              "claim to end p95, s (2x solo) | makespan, s (bound) | preempted for | "
              "ended once |", "|---|---|---|---|---|---|---|---|"]
@@ -506,8 +509,10 @@ def _overnight_section(night: dict[str, Any]) -> list[str]:
     lines += ["", "A job is taken at a step boundary: an interactive job that arrives while both "
               "replicas are in a batch step waits for that step, which is what the wait's bound "
               "allows. Its latency from submit is within 2x solo only where a batch step is no "
-              "longer than a small job's whole solo render. Once taken, it rendered within 2x "
-              f"its solo time in {' and '.join(taken) if taken else 'no mode'} in this run.", ""]
+              "longer than a small job's whole solo render. In rank-local mode the replicas keep "
+              "their own pace: the replica to preempt is held at its next step boundary and the "
+              "job claimed for it there. Once taken, it rendered within 2x its solo time in "
+              f"{' and '.join(taken) if taken else 'no mode'} in this run.", ""]
     return lines
 
 
