@@ -186,11 +186,16 @@ class S3Store:
         if client is None:
             try:  # an optional package (the s3 extra)
                 import boto3
+                from botocore.config import Config
             except ImportError as exc:  # pragma: no cover - depends on the install
                 raise RuntimeError(
                     "S3 output storage needs boto3: pip install 'kiln[s3]'"
                 ) from exc
-            client = boto3.client("s3", **client_kwargs)
+            # Presigned links in the current signature (SigV4): AWS regions opened since 2014
+            # and several S3-compatible stores refuse the older one, boto3's default for them.
+            # SigV4 signs the region: set s3_region for a bucket outside us-east-1.
+            client = boto3.client("s3", config=Config(signature_version="s3v4"),
+                                  **client_kwargs)
         self.client = client
         self.bucket = bucket
         self.prefix = prefix.strip("/")
