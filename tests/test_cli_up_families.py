@@ -51,6 +51,7 @@ def _local_video(model: str, body: dict[str, Any], out: Path) -> np.ndarray:
 
 
 @pytest.mark.slow
+@pytest.mark.chaos  # a kiln up per family: `make chaos` runs them, `make test` does not
 @pytest.mark.parametrize("family", list(JOBS))
 def test_kiln_up_serves_the_family_end_to_end(tmp_path: Path, family: str) -> None:
     model = str(make_checkpoint(tmp_path / family, SyntheticSpec(family=family)))

@@ -76,6 +76,7 @@ def _still_running(proc: psutil.Process) -> bool:
 
 
 
+@pytest.mark.chaos  # slow: `make chaos` runs it; make test keeps the killed-rank restarts
 def test_a_job_whose_worker_group_is_killed_mid_render_is_requeued_and_rendered_again(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",),

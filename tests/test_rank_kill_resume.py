@@ -14,9 +14,10 @@ Layouts: dp=2 (allgather and rank-local) and sp=2; models: kiln-tiny and a tiny 
 Wan directory. With dp=2 the lone job runs on the first replica, so the rank killed is rank 0
 (the coordinator's too); with sp=2 it is rank 1, whose leader survives it. One more case keeps
 both replicas of a dp=2 group busy and kills rank 1: the surviving rank's step fails on its lost
-peer, and its job must resume from its own checkpoint as well. The cheapest case (kiln-tiny,
-dp=2 allgather) runs in ``make test``; the others are slow and run with ``KILN_CHAOS=1``
-(``make chaos``), as does the drain case.
+peer, and its job must resume from its own checkpoint as well. Every case is slow (a group
+start, a kill and a restart, and a reference render): they run with ``KILN_CHAOS=1`` (``make
+chaos``), as does the drain case; ``make test`` keeps the resume through a rank of its own
+(tests/runtime/test_rank_loop_resume.py) and the killed-rank restarts (test_worker_restarts.py).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from storage.video import write_outputs
 # (tests/conftest.py).
 pytestmark = pytest.mark.fault
 
-# The slow cases: only with KILN_CHAOS=1, as `make chaos` runs them (tests/conftest.py).
+# Only with KILN_CHAOS=1, as `make chaos` runs them (tests/conftest.py).
 SLOW = pytest.mark.chaos
 
 STEPS = 30
@@ -70,8 +71,7 @@ WAN = {"family": "wan", "num_layers": 4, "width": 128}
 
 # name -> (dp, sp, allgather)
 LAYOUTS = {"dp2-allgather": (2, 1, True), "dp2-rank-local": (2, 1, False), "sp2": (1, 2, True)}
-CASES = [pytest.param(model, layout, id=f"{model}-{layout}",
-                      marks=() if (model, layout) == ("kiln-tiny", "dp2-allgather") else SLOW)
+CASES = [pytest.param(model, layout, id=f"{model}-{layout}", marks=SLOW)
          for model in JOBS for layout in LAYOUTS]
 
 

@@ -49,6 +49,7 @@ def test_an_interactive_job_suspends_the_batch_job_on_the_only_replica_and_ends_
         assert kinds.index("preempted") < kinds.index("continued"), kinds
 
 
+@pytest.mark.chaos  # slow: `make chaos` runs it (and test_rank_kill_resume's drain cases)
 def test_a_drained_job_resumes_from_the_step_its_ranks_checkpointed_on_the_way_out(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \

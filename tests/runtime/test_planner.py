@@ -141,6 +141,7 @@ def test_a_cached_profile_is_used_until_the_machine_or_model_changes(tmp_path, m
     assert json.loads(path.read_text())["num_blocks"] == 12  # saved for next time
 
 
+@pytest.mark.chaos  # a real profile of two ranks: `make chaos` runs it, `make test` does not
 def test_kiln_plan_measures_kiln_tiny_on_two_ranks_and_prints_every_layout(tmp_path,
                                                                            monkeypatch):
     monkeypatch.setenv("KILN_DATA_DIR", str(tmp_path))

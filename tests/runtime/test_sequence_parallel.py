@@ -150,6 +150,7 @@ def wan_dir(tmp_path_factory):
                            SyntheticSpec(family="wan"))
 
 
+@pytest.mark.chaos  # four ranks on two cores: `make chaos` runs it, `make test` does not
 def test_wan_at_dp2_sp2_renders_what_one_rank_does_bit_for_bit(wan_dir):
     # 48x48: 3 x 3 x 3 = 27 tokens, which neither sp divides.
     requests = [VideoRequest(prompt="a red circle", width=48, height=48, num_frames=9,
