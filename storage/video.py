@@ -78,7 +78,9 @@ def _x264_options() -> dict[str, str]:
 
 def write_video(frames: object, path: str | os.PathLike[str], *, fps: int = DEFAULT_FPS,
                 crf: int = 18) -> Path:
-    """Encode [N, H, W, 3] frames as H.264 (yuv420p) in an MP4 at ``path``; returns the path."""
+    """Encode [N, H, W, 3] frames as H.264 (yuv420p) in an MP4 at ``path``; returns the path.
+    The index (``moov``) goes before the frames (``faststart``): a browser plays the video as it
+    arrives instead of after the whole file."""
     rgb = to_uint8(frames)
     n, h, w, _ = rgb.shape
     if n == 0:
@@ -87,7 +89,8 @@ def write_video(frames: object, path: str | os.PathLike[str], *, fps: int = DEFA
         raise ValueError(f"H.264 (yuv420p) needs an even width and height, got {w}x{h}")
     path = Path(path)
     with atomic_path(path) as tmp:
-        with av.open(str(tmp), mode="w", format="mp4") as container:
+        with av.open(str(tmp), mode="w", format="mp4",
+                     options={"movflags": "faststart"}) as container:
             stream = container.add_stream("libx264", rate=Fraction(fps))
             stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
             stream.options = {"crf": str(crf), **_x264_options()}

@@ -29,6 +29,26 @@ def test_mp4_is_h264_and_decodes_to_the_frames_written(tmp_path):
     assert np.abs(back - video.to_uint8(smooth).astype(int)).mean() < 2
 
 
+def _top_level_boxes(data: bytes) -> list[str]:
+    """The types of an MP4's top-level boxes, in file order."""
+    boxes, at = [], 0
+    while at + 8 <= len(data):
+        size = int.from_bytes(data[at:at + 4], "big")
+        boxes.append(data[at + 4:at + 8].decode("latin-1"))
+        if size == 1:  # a 64-bit size follows the type
+            size = int.from_bytes(data[at + 8:at + 16], "big")
+        if size < 8:
+            break
+        at += size
+    return boxes
+
+
+def test_the_index_comes_before_the_frames_so_a_browser_plays_it_as_it_arrives(tmp_path):
+    boxes = _top_level_boxes(video.write_video(_frames(), tmp_path / "a.mp4").read_bytes())
+    assert "moov" in boxes and "mdat" in boxes, boxes
+    assert boxes.index("moov") < boxes.index("mdat"), boxes
+
+
 def test_same_frames_give_the_same_file_bytes(tmp_path):
     a = video.write_video(_frames(), tmp_path / "a.mp4").read_bytes()
     b = video.write_video(_frames(), tmp_path / "b.mp4").read_bytes()
