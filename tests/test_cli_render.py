@@ -28,6 +28,21 @@ def test_render_writes_an_mp4_with_the_requested_frames_and_size_and_a_thumbnail
     assert out.with_suffix(".png").is_file()
 
 
+def test_render_without_size_or_length_renders_at_the_model_familys_defaults(tmp_path):
+    import av
+
+    from common.families import family_of
+
+    d = family_of("kiln-tiny").defaults
+    out = tmp_path / "d.mp4"
+    result = CliRunner().invoke(app, ["render", "--model", "kiln-tiny", "--prompt",
+                                      "a red circle moving left", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_video(out).shape == (d.num_frames, d.height, d.width, 3)
+    with av.open(str(out)) as c:
+        assert c.streams.video[0].average_rate == d.fps
+
+
 def test_render_with_the_same_seed_gives_the_same_frames(tmp_path):
     a, b = read_video(_render(tmp_path, "a.mp4")), read_video(_render(tmp_path, "b.mp4"))
     c = read_video(_render(tmp_path, "c.mp4", "--seed", "1"))
