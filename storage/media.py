@@ -151,13 +151,8 @@ def open_image(file: BinaryIO, limits: Limits,
                                               f"{limits.max_pixels:,} pixels allowed") from exc
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
             raise Rejected("undecodable", f"the image does not decode: {exc}") from exc
-    width, height = image.size
-    if width < 1 or height < 1:
-        raise Rejected("undecodable", f"the image declares a size of {width}x{height}")
-    if width * height > limits.max_pixels:
-        raise Rejected("too_many_pixels", f"the image is {width}x{height}, "
-                                          f"{width * height:,} pixels; at most "
-                                          f"{limits.max_pixels:,} are allowed")
+    _check_pixels(*image.size, limits, declares="the image declares a size of",
+                  measures="the image is")
     try:
         image.load()  # Pillow refuses a truncated file here (LOAD_TRUNCATED_IMAGES is off)
         image = ImageOps.exif_transpose(image)
@@ -213,11 +208,14 @@ def _decode_video(file: BinaryIO, limits: Limits) -> tuple[int, int, int, float]
         return frames, width, height, round(seconds, 3)
 
 
-def _check_pixels(width: int, height: int, limits: Limits) -> None:
+def _check_pixels(width: int, height: int, limits: Limits, *,
+                  declares: str = "the video declares a frame size of",
+                  measures: str = "the video's frames are") -> None:
+    """An image's size, or a video's frame size, within ``limits`` (the messages name which)."""
     if width < 1 or height < 1:
-        raise Rejected("undecodable", f"the video declares a frame size of {width}x{height}")
+        raise Rejected("undecodable", f"{declares} {width}x{height}")
     if width * height > limits.max_pixels:
-        raise Rejected("too_many_pixels", f"the video's frames are {width}x{height}, "
+        raise Rejected("too_many_pixels", f"{measures} {width}x{height}, "
                                           f"{width * height:,} pixels; at most "
                                           f"{limits.max_pixels:,} are allowed")
 
