@@ -231,10 +231,9 @@ class Coordinator:
         self.rank_reports: dict[int, RankReport] = {}
         self.own_pace = False
         # At their own pace a replica is preempted in two plans: a hold first (it stops at its
-        # next step boundary), then, once it says it waits there, the claim of the interactive
-        # job for it. Replica -> when its hold went out, and the replicas that wait.
+        # next step boundary), then, once its report says it waits there (`waiting`), the claim
+        # of the interactive job for it. Replica -> when its hold went out.
         self.holds: dict[int, float] = {}
-        self.waiting: set[int] = set()
         self._backoff = 0.0  # seconds claims pause after the last outage error
         self._claims_resume_at = 0.0  # by the clock
         self._last_report = -float("inf")
@@ -402,9 +401,14 @@ class Coordinator:
                     plan.hold.append(target)
                 return
             self.holds.pop(target, None)
-            self.waiting.discard(target)
             free, job_class = [target], INTERACTIVE
         plan.assign = self._claim(free, job_class)
+
+    @property
+    def waiting(self) -> set[int]:
+        """The replicas whose latest report says they wait at a step boundary on a hold (a
+        replica given the job it waited for no longer qualifies as a target: it holds two)."""
+        return {r for r, m in self.rank_reports.items() if m.waiting and self.layout.is_leader(r)}
 
     def _preempt_target(self) -> int | None:
         """The replica whose batch job an interactive job would suspend; at their own pace, one
@@ -474,12 +478,6 @@ class Coordinator:
             self._finish(m)
         self.rank_reports.update((m.rank, m) for m in messages
                                  if isinstance(m, RankReport) and m.memory)
-        for m in messages:
-            if isinstance(m, RankReport) and self.layout.is_leader(m.rank):
-                if m.waiting:
-                    self.waiting.add(m.rank)
-                else:
-                    self.waiting.discard(m.rank)
         self._note_writers(list(self.rank_reports.values()))
         self._track()
         now = self.clock()
