@@ -49,8 +49,15 @@ _WHOLE_LIMIT = 32 * 1024 * 1024
 
 def request_digest(request: VideoRequest) -> str:
     """sha256 (hex) of the request's fields as sorted JSON: prompt, negative prompt, seed, size,
-    frames, frame rate, steps and guidance."""
-    text = json.dumps(dataclasses.asdict(request), sort_keys=True, separators=(",", ":"))
+    frames, frame rate, steps and guidance, and the digest of its conditioning where it has
+    one."""
+    fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
+    # A conditioned request: the digest of its pixels stands for them; a text-only one digests
+    # as it did before conditioning existed, so its checkpoints stay valid.
+    conditioning = fields.pop("conditioning", None)
+    if conditioning is not None:
+        fields["conditioning"] = conditioning.digest()
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -257,6 +257,18 @@ class Job(Base):
     output_video_key: Mapped[str | None] = mapped_column(String(255))
     output_thumbnail_key: Mapped[str | None] = mapped_column(String(255))
 
+    # What the render starts from besides its text: an upload (`InputFile`) of its owner, fitted
+    # to the job's size by ``input_fit`` ("crop", "pad", "stretch"); None: text only. A file
+    # deleted before the job runs leaves the id None and the job fails when claimed.
+    input_file_id: Mapped[str | None] = mapped_column(
+        String(JOB_ID_LENGTH), ForeignKey("input_files.id", ondelete="SET NULL"))
+    input_fit: Mapped[str | None] = mapped_column(String(8))
+    strength: Mapped[float | None] = mapped_column(Float)  # video-to-video; None: the family's
+    # The soundtrack: asked for (None: the model's default, on where it makes sound) and
+    # written (None until the video is).
+    audio: Mapped[bool | None] = mapped_column(Boolean)
+    has_audio: Mapped[bool | None] = mapped_column(Boolean)
+
 
 class WorkerGroup(Base):
     """A persistent torch.distributed worker group, as it last reported itself."""

@@ -50,6 +50,7 @@ of the boundary gather one expert's blocks, and ranks on either side gather both
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -62,6 +63,33 @@ from common.render import RenderFields
 from runtime.dlo import DLOHandle
 from runtime.pipelines import resumable
 from runtime.platform import default_device
+
+
+@dataclass(kw_only=True, frozen=True, slots=True, eq=False)
+class Conditioning:
+    """What a render starts from besides its text: decoded, checked pixels, already fitted to the
+    request's size (``storage.media`` decodes and checks an upload; the caller fits it), so a
+    pipeline never decodes a file. uint8, channels last, on the CPU. A family takes the inputs
+    its ``common.families.Family.inputs`` names and refuses the others."""
+
+    image: torch.Tensor | None = None  # the first frame, [H, W, 3]
+    last_image: torch.Tensor | None = None  # the last frame, [H, W, 3] (first/last-frame models)
+    video: torch.Tensor | None = None  # a clip to start from, [N, H, W, 3]
+    # How far video-to-video moves from ``video``: 1.0 renders from pure noise, 0.0 returns it.
+    strength: float | None = None
+
+    def digest(self) -> str:
+        """sha256 (hex) of the pixels and the strength: what a checkpoint of a conditioned job
+        must match (``runtime.resume.request_digest``)."""
+        h = hashlib.sha256()
+        for name in ("image", "last_image", "video"):
+            t = getattr(self, name)
+            h.update(name.encode())
+            if t is not None:
+                h.update(repr(tuple(t.shape)).encode())
+                h.update(t.detach().to("cpu").contiguous().numpy().tobytes())
+        h.update(repr(self.strength).encode())
+        return h.hexdigest()
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -77,6 +105,8 @@ class VideoRequest(RenderFields):
     guidance_scale: float = TINY.defaults.guidance_scale
     negative_prompt: str = ""
     seed: int = 0
+    # None: text only. Not compared (tensors): a checkpoint compares its digest instead.
+    conditioning: Conditioning | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_inference_steps < 1:
