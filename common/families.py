@@ -66,6 +66,8 @@ class Family:
     # The kinds of input file ("image", "video") its pipeline conditions a render on; empty:
     # text only, and a request that brings a file is refused naming the parameter.
     inputs: frozenset[str] = frozenset()
+    # Whether every render needs one of those inputs (image-to-video); False: text alone will do.
+    needs_input: bool = False
     # A clip has frame_base + k * frame_stride frames, between min_frames and max_frames: 1 + 4k
     # for the causal VAEs (the first frame alone, then 4 per latent frame); MiniMax-H3's VAE
     # encodes clips of 17 frames into 5 latents plus two, so 5 + 17k, from 5 s to 15 s.
