@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from common.families import TINY
 from common.render import RenderFields
+from runtime.adapters import Adapter, use_adapters
 from runtime.dlo import DLOHandle
 from runtime.pipelines import resumable
 from runtime.platform import default_device
@@ -107,6 +108,9 @@ class VideoRequest(RenderFields):
     seed: int = 0
     # None: text only. Not compared (tensors): a checkpoint compares its digest instead.
     conditioning: Conditioning | None = field(default=None, compare=False)
+    # LoRA adapters, loaded (``runtime.adapters.load_adapter``), each with its weight: added to
+    # this job's forwards only. Not compared: a checkpoint compares their digests instead.
+    adapters: tuple[tuple[Adapter, float], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.num_inference_steps < 1:
@@ -116,12 +120,12 @@ class VideoRequest(RenderFields):
                              f"{self.num_frames} frames")
 
     @classmethod
-    def of(cls, source: Any) -> VideoRequest:
+    def of(cls, source: Any, *, conditioning: Conditioning | None = None) -> VideoRequest:
         """The request for a job: its render fields read off ``source`` by name (a job's row, or
         any `RenderFields` with its seed set); no negative prompt is the empty one."""
         values = {f.name: getattr(source, f.name) for f in fields(RenderFields)}
         values["negative_prompt"] = values["negative_prompt"] or ""
-        return cls(**values)
+        return cls(**values, conditioning=conditioning)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -226,7 +230,8 @@ class VideoPipeline(abc.ABC):
             if missing:
                 raise ValueError(f"this step needs transformer(s) {missing}, which the group "
                                  f"does not run this step (active={on})")
-            self._denoise(state)
+            with use_adapters(self, state.request.adapters):
+                self._denoise(state)
         finally:
             # The gathers this job did not need (no CFG, the expert another rank needs), or that
             # a forward which raised part-way never issued: every other rank is waiting for them.
