@@ -52,9 +52,10 @@ def _count_encodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     encoded: list[str] = []
     real = video.write_outputs
 
-    def counting(frames: Any, path: Any, *, fps: int = video.DEFAULT_FPS) -> Any:
+    def counting(frames: Any, path: Any, *, fps: int = video.DEFAULT_FPS,
+                 audio: Any = None) -> Any:
         encoded.append(str(path))
-        return real(frames, path, fps=fps)
+        return real(frames, path, fps=fps, audio=audio)
 
     monkeypatch.setattr(video, "write_outputs", counting)
     return encoded
