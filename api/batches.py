@@ -31,7 +31,7 @@ from api.schemas import (
 )
 from common import netguard
 from common.settings import Settings
-from storage import batches
+from storage import batches, input_files
 from storage.submission import JobSpec
 from storage.tables import Batch, Job, JobClass, JobState, User
 
@@ -206,11 +206,13 @@ def _validated(data: dict[str, Any]) -> BatchCreate:
                         for e in exc.errors(include_url=False)]) from exc
 
 
-def specs_from_submission(sub: Submission, s: Settings, now: datetime) -> list[JobSpec]:
+def specs_from_submission(sub: Submission, s: Settings, now: datetime,
+                          kind_of: jobs.InputKinds = jobs.no_inputs) -> list[JobSpec]:
     """Every job of the batch as a checked `JobSpec`: its line laid over the defaults, class
     ``batch``, the window's times, validated by `JobCreate` and `jobs.spec_from_job_create`
     exactly as `POST /v1/jobs` would. Any bad line fails the whole batch with a 422 naming each
-    bad line (up to `MAX_REPORTED_LINES`) and field."""
+    bad line (up to `MAX_REPORTED_LINES`) and field. ``kind_of`` looks up the submitter's
+    uploads, for lines (or defaults) with an ``input_file_id``."""
     body = sub.body
     if not body.jobs:
         raise _invalid([_problem("jobs", "a batch needs at least one job", "too_short")])
@@ -229,7 +231,8 @@ def specs_from_submission(sub: Submission, s: Settings, now: datetime) -> list[J
     # Defaults and window once, as the part of a job they are; so their mistakes are named once
     # instead of on every line.
     probe = {**body.defaults, "prompt": body.defaults.get("prompt") or "probe", **window}
-    errors = _batch_rules(body.defaults, body.defaults, window) or _job_errors(probe, s, now)
+    errors = (_batch_rules(body.defaults, body.defaults, window)
+              or _job_errors(probe, s, now, kind_of))
     if errors:
         raise _invalid([
             {**e, "loc": ("body", f"{'window' if field in window else 'defaults'}.{field}")}
@@ -245,7 +248,7 @@ def specs_from_submission(sub: Submission, s: Settings, now: datetime) -> list[J
             errors = _batch_rules(item, merged, window)
             if not errors:
                 merged.update(window, **{"class": JobClass.BATCH.value})
-                spec_or_errors = _job_spec(merged, s, now)
+                spec_or_errors = _job_spec(merged, s, now, kind_of)
                 if isinstance(spec_or_errors, JobSpec):
                     specs.append(replace(spec_or_errors, batch_index=line))
                     continue
@@ -275,11 +278,11 @@ def _batch_rules(item: dict[str, Any], merged: dict[str, Any],
     return errors
 
 
-def _job_spec(data: dict[str, Any], s: Settings,
-              now: datetime) -> JobSpec | list[tuple[str, dict[str, Any]]]:
+def _job_spec(data: dict[str, Any], s: Settings, now: datetime,
+              kind_of: jobs.InputKinds) -> JobSpec | list[tuple[str, dict[str, Any]]]:
     """The spec `POST /v1/jobs` would make of ``data``, or its errors as (field, error)."""
     try:
-        return jobs.spec_from_job_create(JobCreate.model_validate(data), s, now)
+        return jobs.spec_from_job_create(JobCreate.model_validate(data), s, now, kind_of)
     except ValidationError as exc:
         return [(".".join(str(p) for p in e["loc"]) or "body", e)
                 for e in exc.errors(include_url=False)]
@@ -287,9 +290,9 @@ def _job_spec(data: dict[str, Any], s: Settings,
         return [(".".join(str(p) for p in e["loc"][1:]) or "body", e) for e in exc.errors()]
 
 
-def _job_errors(data: dict[str, Any], s: Settings,
-                now: datetime) -> list[tuple[str, dict[str, Any]]]:
-    result = _job_spec(data, s, now)
+def _job_errors(data: dict[str, Any], s: Settings, now: datetime,
+                kind_of: jobs.InputKinds) -> list[tuple[str, dict[str, Any]]]:
+    result = _job_spec(data, s, now, kind_of)
     return [] if isinstance(result, JobSpec) else result
 
 
@@ -298,7 +301,7 @@ def submit(session: Session, redis: Redis, s: Settings, user: User, sub: Submiss
     """Checks every job, stores the batch and its jobs in one transaction, then dispatches them
     to Redis; an idempotent replay answers 200 with the batch made earlier."""
     now = jobs.now()
-    specs = specs_from_submission(sub, s, now)
+    specs = specs_from_submission(sub, s, now, input_files.kinds_of(session, user))
     digest = jobs.request_hash("batch", sub.body.model_dump(mode="json"))
     window = sub.body.window
     with jobs.creation_errors_as_http(s):

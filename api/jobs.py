@@ -8,10 +8,9 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -30,8 +29,8 @@ from api.schemas import (
     VideoPublic,
     metadata_bytes,
 )
-from common import netguard
-from common.families import GENERIC, Family, checkpoint_family, family_of, tokens
+from common import admission, netguard
+from common.families import GENERIC, family_of
 from common.render import RequestDefaults
 from common.settings import Settings
 from scheduler import queue_index
@@ -43,7 +42,8 @@ log = logging.getLogger(__name__)
 
 
 class _Problems:
-    """Collects limit violations so one 422 lists all of them, each naming its field."""
+    """Collects the refusals of a request so one 422 lists all of them, each naming its field:
+    the render rules of `common.admission`, and the door's own (schedule, webhook, metadata)."""
 
     def __init__(self) -> None:
         self.errors: list[dict[str, Any]] = []
@@ -53,148 +53,20 @@ class _Problems:
         loc = ("body",) if field is None else ("body", field)
         self.errors.append({"loc": loc, "msg": message, "type": "limit"})
 
+    def extend(self, problems: list[admission.Problem]) -> None:
+        for problem in problems:
+            self.add(problem.field, problem.message)
+
     def raise_if_any(self) -> None:
         if self.errors:
             raise RequestValidationError(self.errors)
 
 
-def admission_family(s: Settings, model: str) -> Family:
-    """The family whose rules a request for ``model`` is held to: the checkpoint's own
-    (`common.families.checkpoint_family`, what its pipeline checks when the job starts);
-    `GENERIC` for a model this API does not serve, which is never looked up on disk."""
-    return checkpoint_family(model) if model in s.models else GENERIC
-
-
-def size_multiple(s: Settings, family: Family) -> int:
-    """Width and height are multiples of this: of the family's multiple and the deployment's."""
-    return math.lcm(family.size_multiple, s.size_multiple)
-
-
-def frame_stride(s: Settings, family: Family) -> int:
-    """A clip has ``family.frame_base`` + k x this many frames: for the causal VAEs (1 + k x
-    their stride) the family's stride and the deployment's together; a family with a rule of
-    its own (MiniMax-H3's 5 + 17k) keeps its own, which no deployment stride composes with."""
-    if family.frame_base != 1:
-        return family.frame_stride
-    return math.lcm(family.frame_stride, s.frame_stride)
-
-
-def frame_bounds(s: Settings, family: Family) -> tuple[int, int]:
-    """The fewest and the most frames a clip of ``family`` may have here."""
-    most = min(s.max_num_frames, family.max_frames or s.max_num_frames)
-    return family.min_frames, most
-
-
-def _nearest(value: int, step: int, low: int, high: int, base: int = 0) -> str:
-    """The valid values (``base`` + k x ``step`` within [low, high]) either side of ``value``,
-    as a clause for a message ("" when none is in range)."""
-    below = base + (value - base) // step * step
-    near = [below, below + step]
-    if value > high:  # past the range: its last valid value
-        near = [base + (high - base) // step * step]
-    elif value < low:  # short of it: its first
-        near = [low + (base - low) % step]
-    found = [str(v) for v in near if low <= v <= high]
-    return f"; nearest: {' or '.join(found)}" if found else ""
-
-
-def _most_frames(spec: JobSpec, family: Family, stride: int, max_tokens: int) -> int | None:
-    """The most frames (base + k x ``stride``, from the family's fewest to the request's) that
-    keep ``spec``'s size within ``max_tokens``; None when the fewest are already too many."""
-    base = family.frame_base
-    for k in range((spec.num_frames - base) // stride, -1, -1):
-        n = base + k * stride
-        if n < family.min_frames:
-            break
-        if tokens(spec.width, spec.height, n, family=family) <= max_tokens:
-            return n
-    return None
-
-
-def _check_work(p: _Problems, s: Settings, spec: JobSpec, family: Family, stride: int,
-                seconds: bool) -> None:
-    """The largest job the deployment accepts (``max_job_tokens`` per step, ``max_job_work``
-    in tokens x steps), in video tokens per transformer forward (`common.families.tokens`)."""
-    num_tokens = tokens(spec.width, spec.height, spec.num_frames, family=family)
-    shape = f"{spec.width}x{spec.height}, {spec.num_frames} frames"
-    max_tokens = s.max_job_tokens or family.max_tokens
-    max_work = s.max_job_work or 50 * max_tokens
-    if num_tokens > max_tokens:
-        fit = _most_frames(spec, family, stride, max_tokens)
-        at = f"at {spec.width}x{spec.height}"
-        if fit is not None and seconds and (fit - 1) // spec.fps >= 1:
-            how = f"fewer seconds (at most {(fit - 1) // spec.fps} {at}) or a smaller size"
-        elif fit is not None and not seconds:
-            how = f"fewer frames (at most {fit} {at}) or a smaller size"
-        else:
-            how = "a smaller size"
-        p.add(None, f"the job is too large: {shape} is {num_tokens:,} video tokens per step, "
-                    f"over this deployment's max_job_tokens of {max_tokens:,}; use {how}")
-        return
-    work = num_tokens * spec.num_inference_steps
-    if work > max_work:
-        steps = max_work // num_tokens
-        fewer = f"fewer steps (at most {steps} at {shape}), " if steps else ""
-        p.add(None, f"the job is too large: {shape} is {num_tokens:,} video tokens x "
-                    f"{spec.num_inference_steps} steps = {work:,}, over this deployment's "
-                    f"max_job_work of {max_work:,}; use {fewer}a smaller size or fewer "
-                    f"{'seconds' if seconds else 'frames'}")
-
-
 def _check_common(p: _Problems, s: Settings, spec: JobSpec, now: datetime,
                   size_fields: tuple[str, str] = ("width", "height"),
                   frames_field: str = "num_frames") -> None:
-    if spec.model not in s.models:
-        p.add("model", f"unknown model {spec.model!r}; available: {', '.join(s.models)}")
-    # Sizes and lengths by the model's own rule and the deployment's at once, so that what is
-    # accepted here is what the model's pipeline renders.
-    family = admission_family(s, spec.model)
-    multiple, stride = size_multiple(s, family), frame_stride(s, family)
-    base, (fewest, most) = family.frame_base, frame_bounds(s, family)
-    shape_ok = True
-    for field, name, value, bound in ((size_fields[0], "width", spec.width, s.max_width),
-                                      (size_fields[1], "height", spec.height, s.max_height)):
-        which = "" if field == name else f"{name} "  # the OpenAI body's one ``size`` field
-        if not s.min_size <= value <= bound:
-            p.add(field, f"{which}must be between {s.min_size} and {bound}, got {value}")
-            shape_ok = False
-        elif value % multiple:
-            p.add(field, f"{which}must be a multiple of {multiple}, got {value}"
-                         f"{_nearest(value, multiple, s.min_size, bound)}")
-            shape_ok = False
-    seconds = frames_field == "seconds"  # the OpenAI body gives the length in seconds
-    if spec.num_frames > s.max_num_frames:
-        if seconds:
-            most = (s.max_num_frames - 1) // stride * stride // spec.fps
-            p.add(frames_field, f"at most {most} s at {spec.fps} fps ({s.max_num_frames} frames), "
-                                f"got {spec.num_frames} frames; use fewer seconds or a lower fps")
-        else:
-            p.add(frames_field, f"at most {s.max_num_frames} frames, got {spec.num_frames}")
-        shape_ok = False
-    elif (spec.num_frames - base) % stride or not fewest <= spec.num_frames <= most:
-        first = fewest + (base - fewest) % stride  # the fewest that keeps the rule
-        last = most - (most - base) % stride  # and the most
-        within = f" from {first} to {last}" if fewest > 1 or most < s.max_num_frames else ""
-        p.add(frames_field, f"must be {base} + a multiple of {stride} frames{within} "
-                            f"({first}, {first + stride}, {first + 2 * stride}, ...), got "
-                            f"{spec.num_frames}"
-                            f"{_nearest(spec.num_frames, stride, fewest, most, base=base)}")
-        shape_ok = False
-    if shape_ok:
-        _check_work(p, s, spec, family, stride, seconds)
-    if spec.fps > s.max_fps:
-        p.add("fps", f"at most {s.max_fps}, got {spec.fps}")
-    if spec.num_inference_steps > s.max_num_inference_steps:
-        p.add("num_inference_steps",
-              f"at most {s.max_num_inference_steps}, got {spec.num_inference_steps}")
-    if spec.guidance_scale > s.max_guidance_scale:
-        p.add("guidance_scale", f"at most {s.max_guidance_scale}, got {spec.guidance_scale}")
-    if len(spec.prompt) > s.max_prompt_chars:
-        p.add("prompt", f"at most {s.max_prompt_chars} characters, got {len(spec.prompt)}")
-    if spec.negative_prompt is not None and len(spec.negative_prompt) > s.max_prompt_chars:
-        p.add("negative_prompt", f"at most {s.max_prompt_chars} characters")
-    if not spec.prompt.strip():
-        p.add("prompt", "must not be blank")
+    p.extend(admission.request_problems(s, spec, model=spec.model, size_fields=size_fields,
+                                        frames_field=frames_field))
     horizon = now + timedelta(days=s.max_schedule_days)
     if spec.not_before is not None:
         if spec.not_before > horizon:
@@ -226,7 +98,34 @@ def request_defaults(s: Settings, model: str) -> RequestDefaults:
     return dataclasses.replace(own, **overrides) if overrides else own
 
 
-def spec_from_job_create(body: JobCreate, s: Settings, now: datetime) -> JobSpec:
+#: The kind ("image", "video") of the caller's upload of that id; None: no such file of theirs.
+InputKinds = Callable[[str], str | None]
+
+
+def no_inputs(file_id: str) -> str | None:
+    return None
+
+
+def check_input(p: _Problems, s: Settings, spec: JobSpec, kind_of: InputKinds, *,
+                field: str = "input_file_id") -> None:
+    """The request's input file against its model: the caller's own upload, of a kind the
+    model conditions on; a model that renders only from an input refuses a request without."""
+    if spec.model not in s.models:
+        return  # already refused, and GENERIC takes nothing
+    kind = None
+    if spec.input_file_id is not None:
+        kind = kind_of(spec.input_file_id)
+        if kind is None:
+            p.add(field, "file not found: give the id of an upload of yours (POST /v1/files)")
+            return
+    able = [m for m in s.models if kind in admission.family_for(s, m).inputs] if kind else []
+    p.extend(admission.input_problems(admission.family_for(s, spec.model), kind, field=field,
+                                      fit=spec.input_fit, strength=spec.strength, able=able))
+
+
+def spec_from_job_create(body: JobCreate, s: Settings, now: datetime,
+                         kind_of: InputKinds = no_inputs) -> JobSpec:
+    """``kind_of``: looks up the caller's uploads, for ``input_file_id``."""
     model = body.model or s.default_model
     d = request_defaults(s, model)
     given = {f.name: getattr(body, f.name) for f in dataclasses.fields(d)}
@@ -244,9 +143,14 @@ def spec_from_job_create(body: JobCreate, s: Settings, now: datetime) -> JobSpec
         webhook_events=(sorted(set(body.webhook_events))
                         if body.webhook_events is not None else None),
         metadata=dict(body.metadata),
+        input_file_id=body.input_file_id,
+        input_fit=body.fit or ("crop" if body.input_file_id is not None else None),
+        strength=body.strength,
+        audio=body.audio,
     )
     p = _Problems()
     _check_common(p, s, spec, now)
+    check_input(p, s, spec, kind_of)
     if metadata_bytes(spec.metadata) > s.max_metadata_bytes:
         p.add("metadata", f"at most {s.max_metadata_bytes} bytes as JSON")
     p.raise_if_any()
@@ -275,8 +179,8 @@ def spec_from_video_create(body: VideoCreate, s: Settings, now: datetime) -> Job
         # Wan's convention: N seconds at F fps is 1 + N*F frames (5 s at 16 fps: 81), rounded
         # up to the model's frame rule (its VAE's stride and the deployment's; MiniMax-H3's
         # 5 + 17k: 5 s at 24 fps is 124), so the count is one the model renders.
-        family = admission_family(s, model)
-        stride, base = frame_stride(s, family), family.frame_base
+        family = admission.family_for(s, model)
+        stride, base = admission.frame_stride(s, family), family.frame_base
         wanted = 1 + seconds * fps
         num_frames = max(family.min_frames, base + -(-(wanted - base) // stride) * stride)
     spec = JobSpec(

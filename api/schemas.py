@@ -117,6 +117,22 @@ class JobCreate(BaseModel):
                     "every 2 s), job.succeeded, job.failed, job.cancelled, job.dead, "
                     "job.expired. Left out: the final events only.")] | None = None
     metadata: Metadata = Field(default_factory=dict)
+    input_file_id: Annotated[Text, Field(
+        min_length=1, max_length=64,
+        description="an upload of yours (POST /v1/files) to start from: an image to animate "
+                    "or a video to restyle, for a model that takes one (GET /v1/models: "
+                    "inputs)")] | None = None
+    fit: Literal["crop", "pad", "stretch"] | None = Field(
+        default=None, description="how the input is fitted to width x height: crop (the "
+                                  "default: cover, then cut the middle), pad (fit inside, "
+                                  "on black) or stretch")
+    strength: Annotated[float, Field(
+        gt=0, le=1, allow_inf_nan=False,
+        description="video-to-video: how far the render moves from the input video (1: from "
+                    "pure noise)")] | None = None
+    audio: StrictBool | None = Field(
+        default=None, description="write the soundtrack the model makes (left out: yes, "
+                                  "where the model makes one)")
 
 
 class BatchWindow(BaseModel):

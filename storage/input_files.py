@@ -9,6 +9,8 @@ like an id that does not exist.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.orm import Session
 
@@ -78,3 +80,14 @@ def forget_input_file(session: Session, file_id: str) -> bool:
                               .returning(InputFile.id)).first()
     session.commit()
     return deleted is not None
+
+
+def kinds_of(session: Session, owner: User) -> Callable[[str], str | None]:
+    """A lookup of ``owner``'s uploads: file id -> its kind ("image", "video"), None for an id
+    that is not one of theirs (another user's answers as one that does not exist)."""
+
+    def kind(file_id: str) -> str | None:
+        row = get_input_file(session, file_id, owner)
+        return None if row is None else row.kind
+
+    return kind

@@ -250,3 +250,28 @@ def fit(image: Image.Image, width: int, height: int, mode: FitMode = "crop") -> 
     if mode == "stretch":
         return image.resize(size, method)
     raise ValueError(f"fit: mode must be one of {', '.join(FIT_MODES)}, got {mode!r}")
+
+
+def fitted_frames(file: BinaryIO, kind: str, limits: Limits, width: int, height: int,
+                  mode: FitMode = "crop", *, max_frames: int | None = None) -> list[Image.Image]:
+    """The frames a render starts from: an image (one frame) or a video's first ``max_frames``
+    frames, decoded under ``limits`` again (the file was checked at upload; this keeps a
+    replaced object from reaching a rank), each fitted to ``width`` x ``height`` by `fit` in
+    ``mode``. RGB images; `Rejected` for a file that no longer decodes."""
+    if kind == "image":
+        return [fit(open_image(file, limits), width, height, mode)]
+    file.seek(0)
+    out: list[Image.Image] = []
+    try:
+        with av.open(file, mode="r") as container:
+            stream = container.streams.video[0]
+            for frame in container.decode(stream):
+                _check_pixels(frame.width, frame.height, limits)
+                out.append(fit(frame.to_image().convert("RGB"), width, height, mode))
+                if len(out) >= (max_frames or limits.max_frames):
+                    break
+    except (av.FFmpegError, ValueError, IndexError) as exc:
+        raise Rejected("undecodable", f"the video does not decode: {exc}") from exc
+    if not out:
+        raise Rejected("undecodable", "no frame of the video decodes")
+    return out

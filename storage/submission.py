@@ -81,6 +81,13 @@ class JobSpec(RenderFields):
     metadata: dict[str, Any] = field(default_factory=dict)
     batch_id: str | None = None
     batch_index: int | None = None  # 1-based line in its batch submission
+    # What the render starts from: an upload of the owner (`storage.input_files`), checked at
+    # the door; how it is fitted to the size; video-to-video strength; the soundtrack (None:
+    # the model's default).
+    input_file_id: str | None = None
+    input_fit: str | None = None
+    strength: float | None = None
+    audio: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +273,10 @@ def new_job_row(owner_id: int, spec: JobSpec, *, request_hash: str,
         webhook_url=spec.webhook_url,
         webhook_events=list(spec.webhook_events) if spec.webhook_events is not None else None,
         meta=dict(spec.metadata),
+        input_file_id=spec.input_file_id,
+        input_fit=spec.input_fit,
+        strength=spec.strength,
+        audio=spec.audio,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
         state=JobState.QUEUED.value,

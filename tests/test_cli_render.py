@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from typer.testing import CliRunner
 
 from kiln.cli import app
@@ -66,11 +67,25 @@ def test_render_on_two_ranks_with_sharded_weights_writes_the_same_video(tmp_path
 
 
 def test_render_refuses_a_size_the_model_cannot_render(tmp_path):
-    result = CliRunner().invoke(app, [*ARGS[:5], "--size", "60x60", "--out",
+    """By the admission rules the API holds requests to, every problem at once, each with the
+    nearest valid value, before anything loads (no rank is started, no progress line)."""
+    result = CliRunner().invoke(app, [*ARGS[:5], "--size", "60x64", "--frames", "10", "--out",
                                       str(tmp_path / "a.mp4")])
     assert result.exit_code == 2
-    assert "multiples of 16" in result.output
+    assert "width: must be a multiple of 16, got 60; nearest: 48 or 64" in result.output
+    assert "num_frames: must be 1 + a multiple of 4 frames" in result.output
+    assert "loading" not in result.output
     assert not (tmp_path / "a.mp4").exists()
+
+
+def test_render_refuses_an_input_the_model_does_not_take(tmp_path):
+    image = tmp_path / "start.png"
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(image)
+    result = CliRunner().invoke(app, [*ARGS[:5], "--image", str(image), "--out",
+                                      str(tmp_path / "a.mp4")])
+    assert result.exit_code == 2
+    assert "kiln-tiny cannot take an image input" in result.output
+    assert "loading" not in result.output
 
 
 def test_make_checkpoint_writes_a_diffusers_model_that_kiln_render_loads(tmp_path):
@@ -101,4 +116,6 @@ def test_a_user_mistake_on_two_ranks_is_reported_plainly_and_stops_every_rank(tm
     result = CliRunner().invoke(app, [*ARGS, "--frames", "8", "--dp", "2", "--out",
                                       str(tmp_path / "a.mp4")])
     assert result.exit_code == 2
-    assert "1 + 4k frames" in result.output and "Traceback" not in result.output
+    # Refused before any rank starts (common.admission), with the nearest valid counts.
+    assert "must be 1 + a multiple of 4 frames" in result.output
+    assert "nearest: 5 or 9" in result.output and "Traceback" not in result.output

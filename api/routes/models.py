@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from api import jobs
 from api.deps import CurrentUser, SettingsDep
+from common import admission
 
 router = APIRouter(tags=["models"])
 
@@ -32,6 +33,9 @@ class ModelPublic(BaseModel):
     max_num_frames: int
     max_num_inference_steps: int
     max_prompt_chars: int
+    inputs: list[str] = Field(description="the kinds of input file (image, video) a render may "
+                                          "start from")
+    needs_input: bool = Field(description="every render starts from one of those inputs")
 
 
 class ModelList(BaseModel):
@@ -44,16 +48,17 @@ def list_models(user: CurrentUser, settings: SettingsDep) -> ModelList:
     """The served models, the default (``KILN_MODELS``' first) first."""
     data = []
     for model in settings.models:
-        family = jobs.admission_family(settings, model)
+        family = admission.family_for(settings, model)
         data.append(ModelPublic(
             id=model, family=family.name,
             defaults=dataclasses.asdict(jobs.request_defaults(settings, model)),
-            size_multiple=jobs.size_multiple(settings, family),
-            frame_stride=jobs.frame_stride(settings, family), frame_base=family.frame_base,
-            min_num_frames=jobs.frame_bounds(settings, family)[0],
+            size_multiple=admission.size_multiple(settings, family),
+            frame_stride=admission.frame_stride(settings, family), frame_base=family.frame_base,
+            min_num_frames=admission.frame_bounds(settings, family)[0],
             min_size=settings.min_size, max_width=settings.max_width,
             max_height=settings.max_height,
-            max_num_frames=jobs.frame_bounds(settings, family)[1],
+            max_num_frames=admission.frame_bounds(settings, family)[1],
             max_num_inference_steps=settings.max_num_inference_steps,
-            max_prompt_chars=settings.max_prompt_chars))
+            max_prompt_chars=settings.max_prompt_chars,
+            inputs=sorted(family.inputs), needs_input=family.needs_input))
     return ModelList(data=data)

@@ -9,6 +9,8 @@ model takes no input of its kind.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
@@ -23,9 +25,10 @@ from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.errors import Refusal
 from api.routes.jobs import IdempotencyKey, JobId, serve_output, visible_job
 from api.schemas import VideoCreate, VideoDeleted, VideoList, VideoPublic
+from common import admission
 from common.settings import Settings
-from storage import input_files, lifecycle, pagination, queries
-from storage.tables import User
+from storage import input_files, lifecycle, media, pagination, queries
+from storage.tables import InputFile, User
 
 router = APIRouter(prefix="/v1/videos", tags=["openai-compatible"])
 
@@ -124,25 +127,35 @@ def _pop_reference(raw: dict[str, Any]) -> Reference | None:
     return value
 
 
-async def _reference_kind(reference: Reference, session: Session, user: User,
-                          settings: Settings) -> str:
-    """The kind ("image", "video") of a valid reference; the refusal of a bad one: an
-    upload's own (`api.uploads.check_upload`), or 404 for a file id the caller does not own."""
+async def _check_reference(reference: Reference, session: Session, user: User,
+                           settings: Settings) -> tuple[str, media.Media | None]:
+    """The kind ("image", "video") of a valid reference, and what an upload decoded to; the
+    refusal of a bad one: an upload's own (`api.uploads.check_upload`), or 404 for a file id
+    the caller does not own."""
     if isinstance(reference, UploadFile):
-        return (await uploads.check_upload(reference, settings, param="input_reference")).kind
+        found = await uploads.check_upload(reference, settings, param="input_reference")
+        return found.kind, found
     row = await run_in_threadpool(input_files.get_input_file, session, reference, user)
     if row is None:
         raise Refusal(404, "input_reference: file not found", param="input_reference",
                       code="file_not_found")
-    return row.kind
+    return row.kind, None
 
 
-def _refuse_unconditioned(settings: Settings, model: str, kind: str) -> None:
+def _refuse_unconditioned(settings: Settings, model: str, kind: str | None) -> None:
     """400 in the OpenAI shape when ``model`` cannot take a ``kind`` input, naming the models
-    of this deployment that can."""
-    if kind in jobs.admission_family(settings, model).inputs:
+    of this deployment that can; or, with no input (``kind`` None), when it renders only from
+    one."""
+    family = admission.family_for(settings, model)
+    if kind is None:
+        if family.needs_input:
+            raise Refusal(400, f"input_reference: model {model!r} renders from an input; give "
+                               f"an {' or '.join(sorted(family.inputs))}",
+                          param="input_reference", code="missing_required_parameter")
         return
-    able = [m for m in settings.models if kind in jobs.admission_family(settings, m).inputs]
+    if kind in family.inputs:
+        return
+    able = [m for m in settings.models if kind in admission.family_for(settings, m).inputs]
     hint = (f"models that take one: {', '.join(able)}" if able
             else "no model of this deployment takes one")
     raise Refusal(400, f"input_reference: model {model!r} cannot take an {kind} input; {hint}",
@@ -156,7 +169,8 @@ def _refuse_unconditioned(settings: Settings, model: str, kind: str) -> None:
                         415: {"description": "input_reference is not an accepted type"},
                         429: {"description": "Too many queued jobs; see Retry-After"}})
 async def create_video(request: Request, user: CurrentUser, session: SessionDep,
-                       redis: RedisDep, settings: SettingsDep, response: Response,
+                       redis: RedisDep, settings: SettingsDep, store: StoreDep,
+                       response: Response,
                        idempotency_key: IdempotencyKey = None) -> VideoPublic:
     """The SDK sends multipart/form-data; plain clients may send JSON or a urlencoded form. An
     ``input_reference`` is decoded and checked before the model is asked whether it takes one,
@@ -170,6 +184,7 @@ async def create_video(request: Request, user: CurrentUser, session: SessionDep,
     else:
         raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
                             "send multipart/form-data or application/json")
+    uploaded = None  # an input_reference file stored for this request
     try:
         reference = _pop_reference(raw)
         try:
@@ -179,24 +194,56 @@ async def create_video(request: Request, user: CurrentUser, session: SessionDep,
                 [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
             ) from exc
         spec = jobs.spec_from_video_create(body, settings, jobs.now())
-        if reference is not None:
-            kind = await _reference_kind(reference, session, user, settings)
+        hashed = body.model_dump(mode="json")
+        if reference is None:
+            _refuse_unconditioned(settings, spec.model, None)
+        else:
+            kind, found = await _check_reference(reference, session, user, settings)
             _refuse_unconditioned(settings, spec.model, kind)
+            if isinstance(reference, UploadFile):
+                assert found is not None
+                hashed["input_reference"] = await run_in_threadpool(_digest, reference)
+                uploaded = await run_in_threadpool(uploads.store_upload, session, store, user,
+                                                   reference, found, purpose="user_data")
+                reference = uploaded.id
+            else:
+                hashed["input_reference"] = reference
+            spec = dataclasses.replace(spec, input_file_id=reference, input_fit="crop")
     finally:
         if form is not None:
             await form.close()  # uploaded parts are temporary files
-    digest = jobs.request_hash("video", body.model_dump(mode="json"))
+    digest = jobs.request_hash("video", hashed)
 
-    def store() -> VideoPublic:
-        created, _ = jobs.submit(session, redis, settings, user, spec,
-                                    request_hash=digest, idempotency_key=idempotency_key,
-                                    room=request.app.state.queue_room)
+    def submit() -> VideoPublic:
+        try:
+            created, _ = jobs.submit(session, redis, settings, user, spec,
+                                     request_hash=digest, idempotency_key=idempotency_key,
+                                     room=request.app.state.queue_room)
+        except BaseException:
+            _forget(uploaded)
+            raise
         if not created.created:
+            _forget(uploaded)  # the replayed job has its own input
             response.headers["Idempotent-Replayed"] = "true"
         return jobs.video_public(created.job)
 
+    def _forget(row: InputFile | None) -> None:
+        if row is not None:
+            store.delete(row.storage_key)
+            input_files.forget_input_file(session, row.id)
+
     # The database and Redis clients block; keep them off the event loop.
-    return await run_in_threadpool(store)
+    return await run_in_threadpool(submit)
+
+
+def _digest(upload: UploadFile) -> str:
+    """sha256 of an uploaded file: what an idempotent replay of the request must send again."""
+    upload.file.seek(0)
+    h = hashlib.sha256()
+    for chunk in iter(lambda: upload.file.read(1 << 20), b""):
+        h.update(chunk)
+    upload.file.seek(0)
+    return f"sha256:{h.hexdigest()}"
 
 
 @router.get("", response_model=VideoList)

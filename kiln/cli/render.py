@@ -5,6 +5,7 @@ Heavy imports (torch, diffusers) happen inside the commands so ``kiln --help`` s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Annotated
@@ -13,7 +14,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+from common import admission
 from common.families import checkpoint_family
+from common.render import RenderFields
 from kiln.cli.options import DeviceBudgetOption, device_budget
 
 app = typer.Typer()
@@ -59,8 +62,17 @@ def render(
         help="Each rank reads whole blocks instead of sharding them; on the CPU they stay "
              "bound to the checkpoint's mapping, one copy that all ranks share.")] = False,
     budget: DeviceBudgetOption = "auto",
+    image: Annotated[Path | None, typer.Option(
+        help="An image to start from (PNG, JPEG, WebP), for a model that takes one.")] = None,
+    video: Annotated[Path | None, typer.Option(
+        help="A video to start from (MP4, WebM), for a model that takes one.")] = None,
+    fit: Annotated[str, typer.Option(
+        help="How --image/--video is fitted to the size: crop, pad or stretch.")] = "crop",
+    strength: Annotated[float | None, typer.Option(
+        help="Video-to-video: how far the render moves from --video (1: pure noise).")] = None,
 ) -> None:
-    """Render videos with DLO, without the service, and write MP4 + PNG thumbnail."""
+    """Render videos with DLO, without the service, and write MP4 + PNG thumbnail. A request
+    the model cannot render is refused before anything loads."""
     # Here, not at the top: torch and the model code load only for the commands that render.
     from runtime.launch import RankFailure
     from runtime.pipelines.base import VideoRequest
@@ -70,19 +82,34 @@ def render(
     console = Console(stderr=True)
     # What the request leaves out is the model family's own default (read from the model's
     # configs, no weights loaded): MiniMax-H3 renders 124 frames, kiln-tiny 9.
-    d = checkpoint_family(model).defaults
+    family = checkpoint_family(model)
+    d = family.defaults
     width, height = parse_size(size) if size is not None else (d.width, d.height)
-    frames = d.num_frames if frames is None else frames
-    steps = d.num_inference_steps if steps is None else steps
-    guidance = d.guidance_scale if guidance is None else guidance
-    fps = d.fps if fps is None else fps
+    fields = RenderFields(prompt=prompt[0], negative_prompt=negative_prompt, width=width,
+                          height=height, seed=seed,
+                          num_frames=d.num_frames if frames is None else frames,
+                          num_inference_steps=d.num_inference_steps if steps is None else steps,
+                          guidance_scale=d.guidance_scale if guidance is None else guidance,
+                          fps=d.fps if fps is None else fps)
+    if image is not None and video is not None:
+        raise typer.BadParameter("give --image or --video, not both")
+    source = image or video
+    kind = None if source is None else ("image" if image is not None else "video")
+    problems = (admission.model_problems(family, fields)
+                + admission.input_problems(family, kind, field="--image/--video", fit=fit,
+                                           strength=strength))
+    if problems:
+        for problem in problems:
+            console.print(f"[red]error:[/red] {problem}")
+        raise typer.Exit(2)
+    conditioning = None if source is None else _conditioning(source, kind, fields, fit, strength)
     try:
-        requests = [VideoRequest(prompt=p, negative_prompt=negative_prompt, width=width,
-                                 height=height, num_frames=frames, fps=fps,
-                                 num_inference_steps=steps, guidance_scale=guidance,
-                                 seed=seed + i) for i, p in enumerate(prompt)]
+        requests = [VideoRequest.of(dataclasses.replace(fields, prompt=p, seed=seed + i),
+                                    conditioning=conditioning)
+                    for i, p in enumerate(prompt)]
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    steps = fields.num_inference_steps
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         task = progress.add_task(f"loading {model} on {dp * sp} rank(s)", total=steps)
@@ -123,6 +150,36 @@ def render(
     if missing:
         console.print(f"[red]error:[/red] no output for {missing}")
         raise typer.Exit(1)
+
+
+def _conditioning(path: Path, kind: str | None, r: RenderFields, fit: str,
+                  strength: float | None):  # noqa: ANN202 - a runtime Conditioning
+    """The input at ``path``, checked as an upload is (`storage.media`) and fitted to the
+    request's size; a bad file is refused naming the problem."""
+    import numpy as np
+    import torch
+
+    from common.settings import Settings
+    from runtime.pipelines.base import Conditioning
+    from storage import media
+
+    limits = media.Limits.of(Settings())
+    try:
+        with open(path, "rb") as file:
+            found = media.check(file, limits, filename=path.name)
+            if found.kind != kind:
+                raise typer.BadParameter(f"{path} is a {found.kind}, not a {kind}")
+            frames = media.fitted_frames(file, found.kind, limits, r.width, r.height,
+                                         fit,  # type: ignore[arg-type]
+                                         max_frames=r.num_frames)
+    except OSError as exc:
+        raise typer.BadParameter(f"{path}: {exc.strerror or exc}") from exc
+    except media.Rejected as exc:
+        raise typer.BadParameter(f"{path}: {exc}") from exc
+    pixels = torch.from_numpy(np.stack([np.asarray(frame) for frame in frames]))
+    if kind == "image":
+        return Conditioning(image=pixels[0])
+    return Conditioning(video=pixels, strength=strength)
 
 
 def _blocks_held(dlo: dict) -> str:
