@@ -11,29 +11,33 @@ coordinator's decision, not this module's.
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+import torch
 from redis import Redis, RedisError
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from common.settings import Settings
-from runtime.pipelines.base import VideoRequest
+from runtime.pipelines.base import Conditioning, VideoRequest
 from runtime.rank_loop import Ticket
 from scheduler import queue_index
 from scheduler.attempts import Ending, finish_attempt
 from scheduler.claim import claim_for_group, job_tokens, load_costs, record_result
 from scheduler.cost import CostModel
 from scheduler.policy import INTERACTIVE, RunningJob
-from storage import lifecycle, queries
+from storage import lifecycle, media, queries
 from storage.db import make_engine, make_session_factory
 from storage.lifecycle import Beat
 from storage.outages import describe, is_outage
-from storage.tables import Job
+from storage.outputs import OutputStore, make_store
+from storage.tables import InputFile, Job
 from storage.webhooks import LIVE_EVENTS
 from storage.workers import GroupReport, report_group
 
@@ -153,6 +157,7 @@ class ServerIO:
         # from their claim; and when each last had a job.progress (monotonic).
         self.live_hooks: dict[str, tuple[str, frozenset[str]]] = {}
         self._last_progress: dict[str, float] = {}
+        self.store: OutputStore | None = None  # where input files are read, made when needed
 
     # The queue.
     def claim(self, free: Sequence[int], running: Sequence[RunningJob], *, prefer: str,
@@ -166,13 +171,49 @@ class ServerIO:
         out = []
         for replica, claim in claims:
             job = claim.job
+            try:
+                request = VideoRequest.of(job, conditioning=self._conditioning(job))
+            except media.Rejected as exc:
+                # The request's own input is gone or unreadable: no attempt would fare better.
+                log.warning("job %s: its input cannot be read: %s", job.id, exc)
+                self.finish(job.id, claim.attempt_token, Ending(
+                    outcome="failed", error=f"the input file cannot be read: {exc}",
+                    code="input_unavailable"))
+                continue
             claimed = Claimed(replica=replica, job_class=job.class_, model=job.model,
                               tokens=job_tokens(job), attempt=job.attempts,
                               ticket=Ticket(job_id=job.id, attempt_token=claim.attempt_token,
-                                            request=VideoRequest.of(job)))
+                                            request=request))
             out.append(claimed)
             self.started(job)
         return out
+
+    def _conditioning(self, job: Job) -> Conditioning | None:
+        """The pixels ``job`` starts from, fitted to its size (None: text only); `Rejected`
+        when its input file was deleted or no longer decodes. Read whole before decoding: an
+        object store's stream does not seek."""
+        if job.input_fit is None and job.input_file_id is None:
+            return None
+        with self.sessions() as session:
+            row = (session.get(InputFile, job.input_file_id)
+                   if job.input_file_id is not None else None)
+            if row is None:
+                raise media.Rejected("missing", "it was deleted before the job ran")
+            kind, key = row.kind, row.storage_key
+        if self.store is None:
+            self.store = make_store(self.settings)
+        try:
+            with self.store.open(key) as stored:
+                data = io.BytesIO(stored.read())
+        except OSError as exc:
+            raise media.Rejected("missing", f"the stored object cannot be read: {exc}") from exc
+        frames = media.fitted_frames(data, kind, media.Limits.of(self.settings), job.width,
+                                     job.height, job.input_fit or "crop",  # type: ignore[arg-type]
+                                     max_frames=job.num_frames)
+        pixels = torch.from_numpy(np.stack([np.asarray(frame) for frame in frames]))
+        if kind == "image":
+            return Conditioning(image=pixels[0])
+        return Conditioning(video=pixels, strength=job.strength)
 
     def interactive_due(self) -> bool:
         return queue_index.has_due(self.redis, self.prefix, self.model, INTERACTIVE, time.time())
