@@ -57,6 +57,10 @@ def request_digest(request: VideoRequest) -> str:
     conditioning = fields.pop("conditioning", None)
     if conditioning is not None:
         fields["conditioning"] = conditioning.digest()
+    # Likewise its adapters' digests and weights; a request without adapters digests as before.
+    adapters = fields.pop("adapters", ())
+    if adapters:
+        fields["adapters"] = [[adapter.digest, weight] for adapter, weight in adapters]
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 

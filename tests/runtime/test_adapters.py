@@ -1,0 +1,233 @@
+"""Per-job LoRA adapters on DLO-streamed transformers (``runtime.adapters``).
+
+kiln adds each adapter's low-rank term on the activation side of the shared block weights; the
+reference is diffusers' own pipeline after ``load_lora_weights`` and ``set_adapters``, where peft
+wraps every adapted Linear. Both compute ``result + lora_B(lora_A(x)) * scaling`` with the same
+float ``scaling`` (``weight * alpha / rank``), so kiln's frames equal the reference's bit for bit
+wherever kiln runs the same forwards (Wan with ``cfg_batch=False``), and within the CFG-batching
+tolerance otherwise (``WAN_ATOL``: batching the CFG pair changes the last bits of the timestep
+embedding, with or without an adapter).
+
+The adapter files are written by diffusers' ``save_lora_weights`` (the ``transformer.``-prefixed
+peft layout, with the LoRA config in the safetensors header) from random factors, large enough
+that an adapter visibly changes the video.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from multirank import run_ranks
+from test_gathers_per_step import _record_steps
+from test_pipeline_diffusers import WAN_ATOL
+
+from runtime.adapters import load_adapter, named_transformers
+from runtime.models.synthetic import SyntheticSpec, build_components, make_checkpoint
+from runtime.pipelines.base import VideoRequest
+from runtime.pipelines.reference import run_reference
+from runtime.pipelines.registry import load_diffusers
+from runtime.render import run_lockstep
+from runtime.resume import request_digest
+
+WAN = SyntheticSpec(family="wan")
+REQUEST = VideoRequest(prompt="a red circle moving left", negative_prompt="blurry",
+                       width=64, height=64, num_frames=9, num_inference_steps=3, seed=0,
+                       guidance_scale=5.0)
+
+
+def write_adapter(path: Path, transformer: torch.nn.Module, *, rank: int, alpha: float,
+                  seed: int, modules: list[str] | None = None,
+                  rank_pattern: dict[str, int] | None = None) -> Path:
+    """A random LoRA over ``modules`` (default: every Linear, in the blocks and outside them) in
+    diffusers' layout: ``transformer.<module>.lora_A.weight`` / ``lora_B.weight``, and the
+    LoRA config (rank, alpha, per-module ranks) in the header's adapter metadata."""
+    g = torch.Generator().manual_seed(seed)
+    modules = modules or [n for n, m in transformer.named_modules()
+                          if isinstance(m, torch.nn.Linear)]
+    layers = {}
+    for name in modules:
+        linear = transformer.get_submodule(name)
+        r = (rank_pattern or {}).get(name, rank)
+        layers[f"{name}.lora_A.weight"] = (torch.randn(r, linear.in_features, generator=g)
+                                           / linear.in_features ** 0.5)
+        layers[f"{name}.lora_B.weight"] = torch.randn(linear.out_features, r, generator=g) * 0.3
+    config = {"r": rank, "lora_alpha": alpha, "target_modules": modules,
+              "rank_pattern": rank_pattern or {}}
+    diffusers.WanPipeline.save_lora_weights(path.parent, transformer_lora_layers=layers,
+                                            weight_name=path.name,
+                                            transformer_lora_adapter_metadata=config)
+    return path
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> dict[str, Path]:
+    """The tiny Wan checkpoint and two adapters: A (rank 4, alpha 8, every Linear, one at rank
+    2 by the config's rank pattern) and B (rank 2, alpha 2, the blocks' attention only)."""
+    root = tmp_path_factory.mktemp("adapters")
+    transformer = build_components(WAN)["transformer"]
+    attention = [n for n, m in transformer.named_modules()
+                 if isinstance(m, torch.nn.Linear) and ".attn" in n]
+    return {
+        "model": make_checkpoint(root / "wan", WAN),
+        "a": write_adapter(root / "a.safetensors", transformer, rank=4, alpha=8, seed=1,
+                           rank_pattern={"blocks.1.ffn.net.2": 2}),
+        "b": write_adapter(root / "b.safetensors", transformer, rank=2, alpha=2, seed=2,
+                           modules=attention),
+    }
+
+
+def reference_frames(files: dict[str, Path], weights: dict[str, float],
+                     request: VideoRequest = REQUEST) -> np.ndarray:
+    """diffusers' WanPipeline with ``weights``' adapters loaded by ``load_lora_weights`` and
+    weighted by ``set_adapters``."""
+    pipe = diffusers.WanPipeline(**build_components(WAN))
+    pipe.set_progress_bar_config(disable=True)
+    with warnings.catch_warnings():
+        # peft's note that a second adapter joins the first: what this reference means to do.
+        warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
+        for name in weights:
+            pipe.load_lora_weights(str(files[name]), adapter_name=name)
+    if weights:
+        pipe.set_adapters(list(weights), list(weights.values()))
+    return run_reference(pipe, "wan", request)
+
+
+def render(pipe: Any, files: dict[str, Path], weights: dict[str, float],
+           request: VideoRequest = REQUEST) -> np.ndarray:
+    adapters = tuple((load_adapter(files[n], "wan", named_transformers(pipe)), w)
+                     for n, w in weights.items())
+    return pipe.generate(dataclasses.replace(request, adapters=adapters)).numpy()
+
+
+def _linears_hooked(pipe: Any) -> int:
+    return sum(bool(m._forward_hooks) for t in pipe.transformers for m in t.modules()
+               if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("weights", [{"a": 0.7}, {"a": 0.7, "b": 1.5}], ids=["a", "a+b"])
+def test_wan_with_adapters_equals_diffusers_load_lora_weights_bit_for_bit(wan, weights):
+    pipe = load_diffusers(wan["model"], cfg_batch=False)
+    try:
+        plain = pipe.generate(REQUEST).numpy()
+        assert _linears_hooked(pipe) == 0  # no adapter used yet: no hook at all
+        frames = render(pipe, wan, weights)
+        assert _linears_hooked(pipe) == 26  # A adapts every Linear of the tiny Wan
+        again = pipe.generate(REQUEST).numpy()  # the next job, without adapters
+    finally:
+        pipe.close()
+    np.testing.assert_array_equal(frames, reference_frames(wan, weights))
+    assert np.abs(frames - plain).max() > 0.1  # the adapter really changes the video
+    np.testing.assert_array_equal(again, plain)
+
+
+def test_wan_with_an_adapter_and_batched_cfg_is_within_the_cfg_batching_tolerance(wan):
+    pipe = load_diffusers(wan["model"])
+    try:
+        frames = render(pipe, wan, {"a": 0.7})
+    finally:
+        pipe.close()
+    np.testing.assert_allclose(frames, reference_frames(wan, {"a": 0.7}), rtol=0, atol=WAN_ATOL)
+
+
+def _rank(rank: int, world: int, model_dir: str, files: dict[str, Path],
+          weights: list[dict[str, float]]) -> tuple[list[list[int]], list[int], np.ndarray]:
+    pipe = load_diffusers(model_dir, device="cpu")
+    try:
+        assert all(h.config.use_allgather and h.config.world_size == world
+                   for h in pipe.handles)
+        growth = _record_steps(pipe)
+        adapters = tuple((load_adapter(files[n], "wan", named_transformers(pipe)), w)
+                         for n, w in weights[rank].items())
+        requests = [dataclasses.replace(REQUEST, seed=i, adapters=adapters if i == rank else ())
+                    for i in range(world)]
+        frames = run_lockstep(pipe, rank, requests)
+        return growth, [h.num_blocks for h in pipe.handles], frames.numpy()
+    finally:
+        pipe.close()
+
+
+def _alone(model_dir: Path, files: dict[str, Path], weights: dict[str, float],
+           seed: int) -> np.ndarray:
+    """The job rendered at dp=1, with the one thread each rank computes with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pipe = load_diffusers(model_dir, device="cpu")
+    try:
+        return render(pipe, files, weights, dataclasses.replace(REQUEST, seed=seed))
+    finally:
+        pipe.close()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("weights", [
+    pytest.param([{"a": 0.7}, {}], id="a-beside-none"),
+    pytest.param([{"b": 1.0}, {"a": 0.3}], id="b-beside-a-at-0.3", marks=pytest.mark.slow),
+])
+def test_two_replicas_run_their_own_adapters_on_the_same_gathers(wan, weights):
+    results = run_ranks(2, _rank, str(wan["model"]), wan, weights)
+    for rank, (growth, num_blocks, frames) in enumerate(results):
+        # One gather per block per step, as without adapters (CFG as one batch-2 forward).
+        assert growth == [num_blocks] * REQUEST.num_inference_steps and num_blocks == [2]
+        np.testing.assert_array_equal(frames, _alone(wan["model"], wan, weights[rank], rank))
+
+
+def test_a_file_that_does_not_fit_the_transformer_is_refused_naming_the_first_problem(
+        wan, tmp_path):
+    pipe = load_diffusers(wan["model"])
+    transformers = named_transformers(pipe)
+    try:
+        unknown = tmp_path / "unknown.safetensors"
+        diffusers.WanPipeline.save_lora_weights(tmp_path, weight_name=unknown.name,
+                                                transformer_lora_layers={
+            "blocks.7.attn1.to_q.lora_A.weight": torch.zeros(2, 64),
+            "blocks.7.attn1.to_q.lora_B.weight": torch.zeros(64, 2)})
+        with pytest.raises(ValueError, match="unknown key 'blocks.7.attn1.to_q'"):
+            load_adapter(unknown, "wan", transformers)
+        shape = tmp_path / "shape.safetensors"
+        diffusers.WanPipeline.save_lora_weights(tmp_path, weight_name=shape.name,
+                                                transformer_lora_layers={
+            "blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, 32),
+            "blocks.0.attn1.to_q.lora_B.weight": torch.zeros(64, 2)})
+        with pytest.raises(ValueError, match="shape mismatch at 'blocks.0.attn1.to_q'.*64 -> 64"):
+            load_adapter(shape, "wan", transformers)
+        # rank-2 factors under a config that says rank 4
+        diffusers.WanPipeline.save_lora_weights(
+            tmp_path, weight_name="rank.safetensors",
+            transformer_lora_layers={"proj_out.lora_A.weight": torch.zeros(2, 64),
+                                     "proj_out.lora_B.weight": torch.zeros(64, 2)},
+            transformer_lora_adapter_metadata={"r": 4, "lora_alpha": 4,
+                                               "target_modules": ["proj_out"]})
+        with pytest.raises(ValueError, match="wrong rank at 'proj_out'.*says 4.*have 2"):
+            load_adapter(tmp_path / "rank.safetensors", "wan", transformers)
+        with pytest.raises(ValueError, match="no transformer_2"):
+            load_adapter(wan["a"], "wan", transformers, into="transformer_2")
+    finally:
+        pipe.close()
+
+
+def test_a_request_digest_covers_its_adapters_and_is_unchanged_without(wan):
+    pipe = load_diffusers(wan["model"])
+    try:
+        a = load_adapter(wan["a"], "wan", named_transformers(pipe))
+        again = load_adapter(wan["a"], "wan", named_transformers(pipe))
+        b = load_adapter(wan["b"], "wan", named_transformers(pipe))
+    finally:
+        pipe.close()
+    plain = request_digest(REQUEST)
+    with_a = request_digest(dataclasses.replace(REQUEST, adapters=((a, 0.7),)))
+    assert with_a == request_digest(dataclasses.replace(REQUEST, adapters=((again, 0.7),)))
+    assert len({plain, with_a,
+                request_digest(dataclasses.replace(REQUEST, adapters=((a, 0.5),))),
+                request_digest(dataclasses.replace(REQUEST, adapters=((b, 0.7),)))}) == 4
+    # A request without adapters digests as it did before they existed.
+    fields = {f.name: getattr(REQUEST, f.name) for f in dataclasses.fields(REQUEST)}
+    del fields["adapters"], fields["conditioning"]
+    legacy = dataclasses.make_dataclass("Legacy", list(fields), slots=True)(**fields)
+    assert plain == request_digest(legacy)
