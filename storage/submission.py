@@ -86,6 +86,8 @@ class JobSpec(RenderFields):
     # the model's default).
     input_file_id: str | None = None
     input_fit: str | None = None
+    input_role: str | None = None  # "extend": see `storage.tables.Job.input_role`
+    source_job_id: str | None = None
     strength: float | None = None
     audio: bool | None = None
 
@@ -275,6 +277,8 @@ def new_job_row(owner_id: int, spec: JobSpec, *, request_hash: str,
         meta=dict(spec.metadata),
         input_file_id=spec.input_file_id,
         input_fit=spec.input_fit,
+        input_role=spec.input_role,
+        source_job_id=spec.source_job_id,
         strength=spec.strength,
         audio=spec.audio,
         idempotency_key=idempotency_key,

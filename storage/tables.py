@@ -263,6 +263,11 @@ class Job(Base):
     input_file_id: Mapped[str | None] = mapped_column(
         String(JOB_ID_LENGTH), ForeignKey("input_files.id", ondelete="SET NULL"))
     input_fit: Mapped[str | None] = mapped_column(String(8))
+    # "extend": the input is a video whose last frame the render starts from, and the stored
+    # video is that video followed by the new frames; None: the input conditions the render.
+    input_role: Mapped[str | None] = mapped_column(String(8))
+    # The job whose video this one was made from (a remix, an edit or an extension of it).
+    source_job_id: Mapped[str | None] = mapped_column(String(JOB_ID_LENGTH))
     strength: Mapped[float | None] = mapped_column(Float)  # video-to-video; None: the family's
     # The soundtrack: asked for (None: the model's default, on where it makes sound) and
     # written (None until the video is).

@@ -1,5 +1,5 @@
-"""jobs: the input file a render starts from, how it is fitted, video-to-video strength, and
-the soundtrack (asked for, and written)
+"""jobs: the input file a render starts from, how it is fitted and what it is for, the video
+it was made from, video-to-video strength, and the soundtrack (asked for, and written)
 
 Revision ID: 0012
 Revises: 0011
@@ -21,6 +21,8 @@ def upgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.add_column(sa.Column("input_file_id", sa.String(length=20), nullable=True))
         batch.add_column(sa.Column("input_fit", sa.String(length=8), nullable=True))
+        batch.add_column(sa.Column("input_role", sa.String(length=8), nullable=True))
+        batch.add_column(sa.Column("source_job_id", sa.String(length=20), nullable=True))
         batch.add_column(sa.Column("strength", sa.Float(), nullable=True))
         batch.add_column(sa.Column("audio", sa.Boolean(), nullable=True))
         batch.add_column(sa.Column("has_audio", sa.Boolean(), nullable=True))
@@ -34,5 +36,7 @@ def downgrade() -> None:
         batch.drop_column("has_audio")
         batch.drop_column("audio")
         batch.drop_column("strength")
+        batch.drop_column("source_job_id")
+        batch.drop_column("input_role")
         batch.drop_column("input_fit")
         batch.drop_column("input_file_id")

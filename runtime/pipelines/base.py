@@ -78,12 +78,16 @@ class Conditioning:
     video: torch.Tensor | None = None  # a clip to start from, [N, H, W, 3]
     # How far video-to-video moves from ``video``: 1.0 renders from pure noise, 0.0 returns it.
     strength: float | None = None
+    # An extension: the clip the render continues, [N, H, W, 3]. The pipeline sees only
+    # ``image`` (its last frame); the stored video is these frames, then the rendered ones after
+    # their first (which is ``image`` again).
+    prefix: torch.Tensor | None = None
 
     def digest(self) -> str:
         """sha256 (hex) of the pixels and the strength: what a checkpoint of a conditioned job
         must match (``runtime.resume.request_digest``)."""
         h = hashlib.sha256()
-        for name in ("image", "last_image", "video"):
+        for name in ("image", "last_image", "video", "prefix"):
             t = getattr(self, name)
             h.update(name.encode())
             if t is not None:
