@@ -205,9 +205,10 @@ def _randomize(module: torch.nn.Module) -> None:
 def _minimax_h3_components(spec: SyntheticSpec) -> dict[str, object]:
     """MiniMax-H3: its transformer (the release's proportions: SwiGLU of 8/3 the width, a
     two-block text refiner, rotary on head_dim / 8 per axis), its ViT-decoder VAE (16x in space,
-    17-frame clips into 5 latents), a 51-layer Qwen3-VL and the release's two schedules (video
-    shift 12, audio shift 3). No audio VAE: the soundtrack's rows are denoised with the video (the
-    transformer attends over both) but kiln writes the video only."""
+    17-frame clips into 5 latents), a 51-layer Qwen3-VL, the release's two schedules (video
+    shift 12, audio shift 3) and its audio VAE (a mono BigVGAN decoder of 32 latent channels,
+    800 samples a latent at 32 kHz, two stages wide instead of seven), which decodes the
+    soundtrack the transformer denoises with the video."""
     tokenizer = build_qwen_tokenizer()
     heads = spec.width // spec.head_dim
     transformer = diffusers.MiniMaxH3Transformer3DModel(
@@ -228,8 +229,18 @@ def _minimax_h3_components(spec: SyntheticSpec) -> dict[str, object]:
     text_encoder = _qwen3vl_encoder(spec, tokenizer)
     for module in (transformer, vae, text_encoder):
         _randomize(module)
+    # Built after the others are drawn, so their weights are what they were without it.
+    audio_vae = diffusers.AutoencoderKLMiniMaxH3Audio(
+        encoder_dim=4, encoder_rates=(8, 10, 10), latent_dim=32, latent_channels=32,
+        num_attention_heads=2, decoder_dim=4, decoder_rates=(20, 40),
+        decoder_kernel_sizes=(40, 80), resblock_kernel_sizes=(3,),
+        resblock_dilation_sizes=((1,),), sampling_rate=32_000,
+        latents_mean=tuple(round(0.02 * (i - 16), 4) for i in range(32)),
+        latents_std=tuple(round(0.8 + 0.01 * i, 4) for i in range(32)))
+    _randomize(audio_vae)
     return {"tokenizer": tokenizer, "processor": _qwen_processor(tokenizer),
             "text_encoder": text_encoder, "transformer": transformer, "vae": vae,
+            "audio_vae": audio_vae.eval(),
             "scheduler": diffusers.MiniMaxH3Scheduler(shift=12.0),
             "audio_scheduler": diffusers.MiniMaxH3Scheduler(shift=3.0)}
 

@@ -7,8 +7,8 @@ channels of audio latents and the video's patches, all attended jointly by every
 ``transformer_blocks``. It is guidance-distilled: one forward per step, no negative prompt, no
 guidance scale. A request of N steps runs N - 1 forwards (the schedule's N points bound N - 1
 intervals), so a job's progress counts those. The soundtrack is denoised with the video (the
-video depends on it), and not decoded: kiln writes the video only, and a directory needs no audio
-VAE.
+video depends on it) and decoded by ``decode_audio`` with the directory's audio VAE, as
+diffusers' ``decode.audio`` block does; a directory without one renders the video alone.
 
 kiln follows the ``t2va`` blocks operation for operation, calling their own helpers for the
 layout, the patchify and the per-row timesteps, and its frames equal the modular pipeline's bit
@@ -45,12 +45,14 @@ from runtime.pipelines.diffusers_video import DiffusersVideoPipeline, check_fram
 from runtime.pipelines.minimax_h3_sequence import enable_sequence_parallel
 
 # The components the t2va workflow loads from the directory; kiln builds the transformer and the
-# text encoder itself (DLO), and decodes no audio.
+# text encoder itself (DLO). The audio VAE too, where the directory has one.
 _LOADED = ("tokenizer", "processor", "vae", "scheduler", "audio_scheduler")
+_AUDIO_VAE = "audio_vae"
 
 
 def t2v_blocks() -> Any:
-    """diffusers' text-to-video workflow of MiniMax-H3, without the soundtrack's decode."""
+    """diffusers' text-to-video workflow of MiniMax-H3, without the soundtrack's decode (so a
+    reference renders from a directory without an audio VAE)."""
     blocks = MiniMaxH3Blocks().get_workflow("t2va")
     blocks.sub_blocks.pop("decode.audio")  # the only block that needs the audio VAE
     return blocks
@@ -70,15 +72,30 @@ class MiniMaxH3VideoPipeline(DiffusersVideoPipeline):
 
     @classmethod
     def assemble(cls, model_dir: Path, name: str, models: dict[str, Any]) -> Any:
-        pipe = t2v_blocks().init_pipeline(str(model_dir))
-        pipe.load_components(names=list(_LOADED), local_files_only=True)
+        # The whole t2va workflow where there is an audio VAE: its blocks are what declare the
+        # components a modular pipeline loads (kiln calls none of them).
+        sound = (model_dir / _AUDIO_VAE).is_dir()
+        blocks = MiniMaxH3Blocks().get_workflow("t2va") if sound else t2v_blocks()
+        pipe = blocks.init_pipeline(str(model_dir))
+        loaded = (*_LOADED, _AUDIO_VAE) if sound else _LOADED
+        pipe.load_components(names=list(loaded), local_files_only=True)
         pipe.update_components(**models)
         # load_components logs a component it could not load and leaves it None.
-        missing = [n for n in (*_LOADED, *models) if getattr(pipe, n, None) is None]
+        missing = [n for n in (*loaded, *models) if getattr(pipe, n, None) is None]
         if missing:
             raise ValueError(f"{model_dir}: could not load {', '.join(missing)} of {name} (the "
                              "log above says why; Qwen3-VL's processor needs torchvision)")
         return pipe
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.makes_audio:
+            self.pipe.audio_vae.to(self.device)  # beside the video VAE, which load moves
+
+    @property
+    def makes_audio(self) -> bool:
+        """Whether `decode_audio` gives a soundtrack: the directory has an audio VAE."""
+        return getattr(self.pipe, _AUDIO_VAE, None) is not None
 
     @torch.no_grad()
     def prepare(self, request: VideoRequest) -> DenoiseState:
@@ -163,3 +180,22 @@ class MiniMaxH3VideoPipeline(DiffusersVideoPipeline):
         pixel_std = torch.tensor(p.pixel_std, device=dev).view(1, -1, 1, 1, 1)
         video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
         return video[0].permute(1, 2, 3, 0).cpu()
+
+    @torch.no_grad()
+    def decode_audio(self, state: DenoiseState) -> tuple[torch.Tensor, int] | None:
+        """The soundtrack of a finished job: float samples ``[2, 800 x latents]`` in [-1, 1]
+        (left, right) on the CPU, and the audio VAE's sample rate; None without an audio VAE
+        (`makes_audio`). As diffusers' after-denoise step (its audio half) and ``decode.audio``
+        block: the channel-major rows become the mono VAE's two batch items, denormalised by
+        its latents' mean and std, decoded, and the batch made the channel axis. The sound
+        covers ``audio_latent_num_frames`` latents of 1/40 s, so it ends within 1/80 s of the
+        last frame at 24 fps (`storage.video.fit_audio` fits it to the video)."""
+        if not self.makes_audio:
+            return None
+        p, dev = self.pipe, self.device
+        rows = state.extra["audio"]
+        latents = rows.reshape(p.audio_channels, -1, rows.shape[-1]).permute(0, 2, 1).contiguous()
+        mean = torch.tensor(p.audio_vae.config.latents_mean, device=dev).view(1, -1, 1)
+        std = torch.tensor(p.audio_vae.config.latents_std, device=dev).view(1, -1, 1)
+        audio = p.audio_vae.decode(latents * std + mean, return_dict=False)[0]
+        return audio.float().permute(1, 0, 2)[0].cpu(), p.audio_sampling_rate
