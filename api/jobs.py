@@ -348,7 +348,9 @@ _VIDEO_STATUS = {JobState.QUEUED: "queued", JobState.RUNNING: "in_progress",
                  JobState.SUCCEEDED: "completed"}
 
 
-def video_public(job: Job) -> VideoPublic:
+def video_public(job: Job, *, retention_days: int = 0) -> VideoPublic:
+    """The job as OpenAI's ``Video``; ``expires_at`` from the deployment's retention (0: kept
+    for ever), counted from when the job ended, as retention counts it."""
     status_ = _VIDEO_STATUS.get(JobState(job.state), "failed")
     total = job.progress_total or job.num_inference_steps
     if status_ == "completed":
@@ -366,6 +368,9 @@ def video_public(job: Job) -> VideoPublic:
         completed_at=int(job.finished_at.timestamp()) if job.finished_at else None,
         model=job.model, progress=progress, prompt=job.prompt,
         seconds=f"{seconds:g}", size=f"{job.width}x{job.height}", status=status_, error=error,
+        remixed_from_video_id=job.source_job_id,
+        expires_at=(int((job.finished_at + timedelta(days=retention_days)).timestamp())
+                    if retention_days and job.finished_at else None),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from fastapi import HTTPException, Request, status
 from sqlalchemy.orm import Session
@@ -89,6 +89,33 @@ def store_upload(session: Session, store: OutputStore, owner: User, upload: Uplo
         upload.file.seek(0)
         with open(path, "wb") as out:
             shutil.copyfileobj(upload.file, out)
+        store.put(row.storage_key, path)
+    try:
+        session.add(row)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        store.delete(row.storage_key)
+        raise
+    return row
+
+
+def store_copy(session: Session, store: OutputStore, owner: User, key: str, limits: media.Limits,
+               *, kind: str) -> InputFile:
+    """An input file of ``owner``'s holding a copy of the stored object ``key`` (a video kiln
+    rendered: the source of a remix, an edit or an extension), checked as an upload is. A copy,
+    so the new job does not depend on the source's files, which their owner may delete."""
+    with tempfile.TemporaryDirectory(prefix="kiln-copy-") as tmp:
+        path = Path(tmp) / "source"
+        with store.open(key) as src, open(path, "wb") as out:
+            shutil.copyfileobj(src, out)
+        with open(path, "rb") as file:
+            found = media.check(file, limits, filename=PurePosixPath(key).name)
+        if found.kind != kind:
+            raise Refusal(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                          f"the source is a {found.kind}, not a {kind}", code="wrong_kind")
+        row = new_input_file(owner, found, file_id=new_file_id(), purpose="user_data",
+                             filename=PurePosixPath(key).name, size_bytes=path.stat().st_size)
         store.put(row.storage_key, path)
     try:
         session.add(row)

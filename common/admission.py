@@ -26,8 +26,9 @@ from common.families import GENERIC, Family, checkpoint_family, tokens
 from common.render import RenderFields
 from common.settings import Settings
 
-__all__ = ["Problem", "Refused", "family_for", "frame_bounds", "frame_stride", "input_problems",
-           "model_problems", "nearest", "raise_if_any", "request_problems", "size_multiple"]
+__all__ = ["Problem", "Refused", "a", "family_for", "frame_bounds", "frame_stride",
+           "input_problems", "model_problems", "nearest", "raise_if_any", "request_problems",
+           "size_multiple"]
 
 #: How an input is fitted to the job's size (`storage.media.fit`).
 FIT_MODES = ("crop", "pad", "stretch")
@@ -243,6 +244,11 @@ def request_problems(s: Settings, r: RenderFields, *, model: str,
     return problems
 
 
+def a(kind: str) -> str:
+    """``kind`` with its article: "an image", "a video"."""
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
+
+
 def input_problems(family: Family, kind: str | None, *, field: str = "input_reference",
                    fit: str | None = None, strength: float | None = None,
                    able: Iterable[str] = ()) -> list[Problem]:
@@ -255,10 +261,10 @@ def input_problems(family: Family, kind: str | None, *, field: str = "input_refe
         models = list(able)
         hint = (f"models that take one: {', '.join(models)}" if models
                 else "no model of this deployment takes one")
-        problems.append(Problem(field, f"{family.name} cannot take an {kind} input; {hint}"))
+        problems.append(Problem(field, f"{family.name} cannot take {a(kind)} input; {hint}"))
     elif kind is None and family.needs_input:
-        problems.append(Problem(field, f"{family.name} renders from an input: give an "
-                                       f"{' or '.join(sorted(family.inputs))}"))
+        problems.append(Problem(field, f"{family.name} renders from an input: give "
+                                       f"{' or '.join(map(a, sorted(family.inputs)))}"))
     if fit is not None and fit not in FIT_MODES:
         problems.append(Problem("fit", f"must be one of {', '.join(FIT_MODES)}, got {fit!r}"))
     if strength is not None:

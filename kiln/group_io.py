@@ -183,7 +183,7 @@ class ServerIO:
             claimed = Claimed(replica=replica, job_class=job.class_, model=job.model,
                               tokens=job_tokens(job), attempt=job.attempts,
                               ticket=Ticket(job_id=job.id, attempt_token=claim.attempt_token,
-                                            request=request))
+                                            request=request, audio=job.audio is not False))
             out.append(claimed)
             self.started(job)
         return out
@@ -207,10 +207,13 @@ class ServerIO:
                 data = io.BytesIO(stored.read())
         except OSError as exc:
             raise media.Rejected("missing", f"the stored object cannot be read: {exc}") from exc
+        extend = job.input_role == "extend"
         frames = media.fitted_frames(data, kind, media.Limits.of(self.settings), job.width,
                                      job.height, job.input_fit or "crop",  # type: ignore[arg-type]
-                                     max_frames=job.num_frames)
+                                     max_frames=None if extend else job.num_frames)
         pixels = torch.from_numpy(np.stack([np.asarray(frame) for frame in frames]))
+        if extend:  # rendered from the clip's last frame, stored after the clip
+            return Conditioning(image=pixels[-1], prefix=pixels)
         if kind == "image":
             return Conditioning(image=pixels[0])
         return Conditioning(video=pixels, strength=job.strength)

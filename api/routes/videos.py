@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from redis import Redis
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
@@ -24,11 +25,13 @@ from api import bodies, jobs, uploads
 from api.deps import CurrentUser, RedisDep, SessionDep, SettingsDep, StoreDep
 from api.errors import Refusal
 from api.routes.jobs import IdempotencyKey, JobId, serve_output, visible_job
-from api.schemas import VideoCreate, VideoDeleted, VideoList, VideoPublic
+from api.schemas import PromptText, VideoCreate, VideoDeleted, VideoList, VideoPublic
 from common import admission
 from common.settings import Settings
 from storage import input_files, lifecycle, media, pagination, queries
-from storage.tables import InputFile, User
+from storage.outputs import OutputStore
+from storage.submission import JobSpec
+from storage.tables import InputFile, Job, JobState, User
 
 router = APIRouter(prefix="/v1/videos", tags=["openai-compatible"])
 
@@ -150,7 +153,7 @@ def _refuse_unconditioned(settings: Settings, model: str, kind: str | None) -> N
     if kind is None:
         if family.needs_input:
             raise Refusal(400, f"input_reference: model {model!r} renders from an input; give "
-                               f"an {' or '.join(sorted(family.inputs))}",
+                               f"{' or '.join(map(admission.a, sorted(family.inputs)))}",
                           param="input_reference", code="missing_required_parameter")
         return
     if kind in family.inputs:
@@ -158,7 +161,8 @@ def _refuse_unconditioned(settings: Settings, model: str, kind: str | None) -> N
     able = [m for m in settings.models if kind in admission.family_for(settings, m).inputs]
     hint = (f"models that take one: {', '.join(able)}" if able
             else "no model of this deployment takes one")
-    raise Refusal(400, f"input_reference: model {model!r} cannot take an {kind} input; {hint}",
+    raise Refusal(400, f"input_reference: model {model!r} cannot take "
+                       f"{admission.a(kind)} input; {hint}",
                   param="input_reference", code="unsupported_parameter")
 
 
@@ -225,7 +229,7 @@ async def create_video(request: Request, user: CurrentUser, session: SessionDep,
         if not created.created:
             _forget(uploaded)  # the replayed job has its own input
             response.headers["Idempotent-Replayed"] = "true"
-        return jobs.video_public(created.job)
+        return jobs.video_public(created.job, retention_days=settings.retention_days)
 
     def _forget(row: InputFile | None) -> None:
         if row is not None:
@@ -248,7 +252,7 @@ def _digest(upload: UploadFile) -> str:
 
 @router.get("", response_model=VideoList)
 def list_videos(
-    user: CurrentUser, session: SessionDep,
+    user: CurrentUser, session: SessionDep, settings: SettingsDep,
     after: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Annotated[Literal["asc", "desc"], Query()] = "desc",
@@ -261,14 +265,16 @@ def list_videos(
         cursor = pagination.encode_cursor(anchor)
     page, next_cursor = queries.list_jobs(session, user, limit=limit, cursor=cursor,
                                           newest_first=order == "desc")
-    data = [jobs.video_public(j) for j in page]
+    data = [jobs.video_public(j, retention_days=settings.retention_days) for j in page]
     return VideoList(data=data, first_id=data[0].id if data else None,
                      last_id=data[-1].id if data else None, has_more=next_cursor is not None)
 
 
 @router.get("/{video_id}", response_model=VideoPublic)
-def retrieve_video(video_id: JobId, user: CurrentUser, session: SessionDep) -> VideoPublic:
-    return jobs.video_public(visible_job(session, video_id, user))
+def retrieve_video(video_id: JobId, user: CurrentUser, session: SessionDep,
+                   settings: SettingsDep) -> VideoPublic:
+    return jobs.video_public(visible_job(session, video_id, user),
+                             retention_days=settings.retention_days)
 
 
 @router.delete("/{video_id}", response_model=VideoDeleted,
@@ -298,3 +304,260 @@ def download_content(
     variant: Annotated[Literal["video", "thumbnail"], Query()] = "video",
 ) -> Response:
     return serve_output(store, visible_job(session, video_id, user), variant)
+
+
+# Remix, edit and extend: a new video made from an earlier one (a video of the caller's, by id)
+# or from an uploaded clip. The source is copied into an input file of the caller's, so the new
+# job depends on nothing the caller might delete meanwhile, and goes through the same checks,
+# queue and ranks as any job with an input.
+
+_PROMPT = TypeAdapter(PromptText)
+
+
+class VideoRemix(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: PromptText
+
+
+def _able(settings: Settings, kind: str) -> list[str]:
+    return [m for m in settings.models if kind in admission.family_for(settings, m).inputs]
+
+
+def _model_for(settings: Settings, kind: str, preferred: str | None, param: str,
+               what: str) -> str:
+    """The model that serves a ``what`` (it takes a ``kind`` input): ``preferred`` when it can,
+    else this deployment's first that can; the OpenAI-shaped 400 when none can."""
+    able = _able(settings, kind)
+    if preferred in able:
+        return preferred  # type: ignore[return-value]
+    if able:
+        return able[0]
+    raise Refusal(400, f"{param}: no model of this deployment can {what} (it needs a model "
+                       f"that takes {admission.a(kind)} input)", param=param,
+                  code="unsupported_parameter")
+
+
+def _completed_source(session: Session, user: User, video_id: str, param: str) -> Job:
+    """The caller's completed video ``video_id``; 404 for one that is not theirs, 400 for one
+    with no video to start from."""
+    source = queries.get_job(session, video_id, user)
+    if source is None:
+        raise Refusal(404, f"{param}: video not found", param=param, code="video_not_found")
+    if source.state != JobState.SUCCEEDED.value or source.output_video_key is None:
+        raise Refusal(400, f"{param}: video {video_id} is {source.state}; only a completed "
+                           "video can be remixed, edited or extended", param=param,
+                      code="invalid_video")
+    return source
+
+
+def _derived_spec(settings: Settings, model: str, prompt: str, *, like: Job | None,
+                  num_frames: int | None = None, param: str) -> JobSpec:
+    """The spec of a video made from another: the source job's size, length, frame rate, steps
+    and guidance where there is one and ``model`` is its model, else ``model``'s defaults; held
+    to the same rules as any request."""
+    d = jobs.request_defaults(settings, model)
+    same = like is not None and like.model == model
+    fields = {name: getattr(like if same else d, name) for name in (
+        "width", "height", "num_frames", "fps", "num_inference_steps", "guidance_scale")}
+    if num_frames is not None:
+        fields["num_frames"] = num_frames
+    spec = JobSpec(model=model, prompt=prompt, seed=like.seed if same else None,
+                   negative_prompt=like.negative_prompt if same else None, **fields)
+    problems = admission.request_problems(settings, spec, model=model)
+    if problems:
+        raise Refusal(400, f"{param}: {problems[0]}", param=param, code="invalid_value")
+    return spec
+
+
+async def _submit_derived(request: Request, session: Session, redis: Redis, store: OutputStore,
+                          settings: Settings, user: User, spec: JobSpec, *, kind: str,
+                          source: Job | None, upload: UploadFile | None,
+                          found: media.Media | None, digest_body: dict[str, Any],
+                          idempotency_key: str | None, response: Response) -> VideoPublic:
+    """Stores the input (the source job's video, or the upload), then the job; a job that is
+    not created (refused, or an idempotent replay) takes its stored input with it."""
+
+    def run() -> VideoPublic:
+        if upload is not None:
+            assert found is not None
+            row = uploads.store_upload(session, store, user, upload, found, purpose="user_data")
+        else:
+            assert source is not None and source.output_video_key is not None
+            row = uploads.store_copy(session, store, user, source.output_video_key,
+                                     media.Limits.of(settings), kind=kind)
+        derived = dataclasses.replace(spec, input_file_id=row.id, input_fit="crop",
+                                      source_job_id=source.id if source else None)
+        try:
+            created, _ = jobs.submit(session, redis, settings, user, derived,
+                                     request_hash=jobs.request_hash("video", digest_body),
+                                     idempotency_key=idempotency_key,
+                                     room=request.app.state.queue_room)
+        except BaseException:
+            store.delete(row.storage_key)
+            input_files.forget_input_file(session, row.id)
+            raise
+        if not created.created:
+            store.delete(row.storage_key)
+            input_files.forget_input_file(session, row.id)
+            response.headers["Idempotent-Replayed"] = "true"
+        return jobs.video_public(created.job, retention_days=settings.retention_days)
+
+    return await run_in_threadpool(run)
+
+
+@router.post("/{video_id}/remix", response_model=VideoPublic,
+             responses={400: {"description": "No model of this deployment can remix"}})
+async def remix_video(video_id: JobId, body: VideoRemix, request: Request, user: CurrentUser,
+                      session: SessionDep, redis: RedisDep, settings: SettingsDep,
+                      store: StoreDep, response: Response,
+                      idempotency_key: IdempotencyKey = None) -> VideoPublic:
+    """A new video of a completed one with a new prompt: video-to-video from it, at its size
+    and length (and its model, where that model takes a video)."""
+    source = await run_in_threadpool(_completed_source, session, user, video_id, "video_id")
+    model = _model_for(settings, "video", source.model, "video_id", "remix a video")
+    spec = _derived_spec(settings, model, body.prompt, like=source, param="prompt")
+    return await _submit_derived(
+        request, session, redis, store, settings, user, spec, kind="video", source=source,
+        upload=None, found=None,
+        digest_body={"remix": video_id, "prompt": body.prompt},
+        idempotency_key=idempotency_key, response=response)
+
+
+async def _video_reference(request: Request, settings: Settings, *,
+                           fields: tuple[str, ...]) -> tuple[FormData, dict[str, Any],
+                                                             UploadFile | str]:
+    """The form of an edit or an extension: its fields, and ``video`` as the SDK sends it (a
+    file part, or ``video[id]`` naming a completed video of the caller's)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, "send multipart/form-data")
+    form = await uploads.read_form(request, settings, max_fields=16)
+    try:
+        data: dict[str, Any] = {}
+        for key, value in form.multi_items():
+            if key in data:
+                raise Refusal(422, f"{key}: given more than once", param=key, code="duplicate")
+            data[key] = value
+        video = data.pop("video", None)
+        video_id = data.pop("video[id]", None)
+        if (video is None) == (video_id is None):
+            raise Refusal(422, 'video: give a file, or {"id": ...} of a completed video, once',
+                          param="video", code="missing")
+        if video is not None and not isinstance(video, UploadFile):
+            raise Refusal(422, "video: must be a file part", param="video", code="invalid_type")
+        if video_id is not None and (not isinstance(video_id, str) or not video_id):
+            raise Refusal(422, "video: id must be a non-empty string", param="video",
+                          code="invalid_type")
+        for key in data:
+            if key not in fields:
+                raise Refusal(422, f"{key}: unknown field", param=key, code="extra_forbidden")
+            if not isinstance(data[key], str):
+                raise Refusal(422, f"{key}: must be text", param=key, code="invalid_type")
+        try:
+            _PROMPT.validate_python(data.get("prompt"))
+        except ValidationError as exc:
+            raise Refusal(422, f"prompt: {exc.errors()[0]['msg']}", param="prompt",
+                          code="invalid_value") from exc
+        if not data["prompt"].strip():
+            raise Refusal(422, "prompt: must not be blank", param="prompt", code="invalid_value")
+    except BaseException:
+        await form.close()
+        raise
+    return form, data, video if video is not None else video_id
+
+
+@router.post("/edits", response_model=VideoPublic, openapi_extra={"requestBody": {
+    "required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["prompt", "video"],
+        "properties": {"prompt": {"type": "string"},
+                       "video": {"type": "string", "format": "binary",
+                                 "description": "an MP4 or WebM clip; or video[id], the id "
+                                                "of a completed video"}}}}}}},
+             responses={400: {"description": "No model of this deployment can edit"}})
+async def edit_video(request: Request, user: CurrentUser, session: SessionDep,
+                     redis: RedisDep, settings: SettingsDep, store: StoreDep,
+                     response: Response,
+                     idempotency_key: IdempotencyKey = None) -> VideoPublic:
+    """A video restyled by a prompt: video-to-video from an uploaded clip or a completed video
+    of the caller's."""
+    form, data, reference = await _video_reference(request, settings, fields=("prompt",))
+    try:
+        prompt = data["prompt"]
+        source, upload, found = None, None, None
+        if isinstance(reference, UploadFile):
+            found = await uploads.check_upload(reference, settings, param="video")
+            if found.kind != "video":
+                raise Refusal(422, f"video: this is a {found.content_type} image; give a clip",
+                              param="video", code="wrong_kind")
+            upload = reference
+            digest = {"edit": await run_in_threadpool(_digest, reference), "prompt": prompt}
+        else:
+            source = await run_in_threadpool(_completed_source, session, user, reference,
+                                             "video")
+            digest = {"edit": reference, "prompt": prompt}
+        model = _model_for(settings, "video", source.model if source else None, "video",
+                           "edit a video")
+        spec = _derived_spec(settings, model, prompt, like=source, param="prompt")
+        return await _submit_derived(
+            request, session, redis, store, settings, user, spec, kind="video",
+            source=source, upload=upload, found=found, digest_body=digest,
+            idempotency_key=idempotency_key, response=response)
+    finally:
+        await form.close()
+
+
+@router.post("/extensions", response_model=VideoPublic, openapi_extra={"requestBody": {
+    "required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["prompt", "seconds", "video"],
+        "properties": {"prompt": {"type": "string"},
+                       "seconds": {"type": "string", "description": "of the new part"},
+                       "video": {"type": "string", "format": "binary",
+                                 "description": "an MP4 or WebM clip; or video[id], the id "
+                                                "of a completed video"}}}}}}},
+             responses={400: {"description": "No model of this deployment can extend"}})
+async def extend_video(request: Request, user: CurrentUser, session: SessionDep,
+                       redis: RedisDep, settings: SettingsDep, store: StoreDep,
+                       response: Response,
+                       idempotency_key: IdempotencyKey = None) -> VideoPublic:
+    """A video continued: ``seconds`` more, rendered from its last frame and written after it
+    as one video. Needs a model that takes an image (image-to-video)."""
+    form, data, reference = await _video_reference(request, settings,
+                                                   fields=("prompt", "seconds"))
+    try:
+        prompt, seconds_text = data["prompt"], data.get("seconds", "")
+        if not seconds_text.isdigit() or not 1 <= int(seconds_text) <= 60:
+            raise Refusal(422, "seconds: a whole number of seconds from 1 to 60",
+                          param="seconds", code="invalid_value")
+        source, upload, found = None, None, None
+        if isinstance(reference, UploadFile):
+            found = await uploads.check_upload(reference, settings, param="video")
+            if found.kind != "video":
+                raise Refusal(422, f"video: this is a {found.content_type} image; give a clip",
+                              param="video", code="wrong_kind")
+            upload = reference
+            digest = {"extend": await run_in_threadpool(_digest, reference)}
+        else:
+            source = await run_in_threadpool(_completed_source, session, user, reference,
+                                             "video")
+            digest = {"extend": reference}
+        digest.update(prompt=prompt, seconds=seconds_text)
+        model = _model_for(settings, "image", source.model if source else None, "video",
+                           "extend a video")
+        family = admission.family_for(settings, model)
+        like_fps = source.fps if source is not None and source.model == model else (
+            jobs.request_defaults(settings, model).fps)
+        stride, base = admission.frame_stride(settings, family), family.frame_base
+        # The new part starts with the source's last frame, written once: 1 + seconds x fps
+        # frames, rounded up to the model's rule.
+        wanted = 1 + int(seconds_text) * like_fps
+        frames = max(family.min_frames, base + -(-(wanted - base) // stride) * stride)
+        spec = _derived_spec(settings, model, prompt, like=source, num_frames=frames,
+                             param="seconds")
+        spec = dataclasses.replace(spec, input_role="extend")
+        return await _submit_derived(
+            request, session, redis, store, settings, user, spec, kind="video",
+            source=source, upload=upload, found=found, digest_body=digest,
+            idempotency_key=idempotency_key, response=response)
+    finally:
+        await form.close()
