@@ -114,6 +114,22 @@ WAN = Family(
     max_tokens=75_600,  # its largest released setting: 1280x720, 81 frames
     sequence_parallel=True,
 )
+# Wan image-to-video: Wan2.1 I2V (480P, 720P; a CLIP image encoder) and FLF2V (first and last
+# frame), and Wan2.2 I2V-A14B (two experts, no image encoder), all ``WanImageToVideoPipeline``,
+# whose ``__call__`` has WanPipeline's defaults; the geometry of Wan T2V (the transformer takes
+# 36 channels in the same patches: the noisy latents' 16 beside the condition's 20, a 4-channel
+# mask and the encoded frames' 16). It renders from an image, the first frame (FLF2V: and a
+# last one); at sp=1 (Wan2.1 I2V's image cross-attention is not split).
+WAN_I2V = Family(
+    name="wan-i2v", diffusers_classes=("WanImageToVideoPipeline",),
+    pipeline="WanI2VPipeline",
+    defaults=RequestDefaults(width=832, height=480, num_frames=81, fps=16,
+                             num_inference_steps=50, guidance_scale=5.0),
+    size_multiple=16, frame_stride=4, patch_size=(1, 2, 2),
+    vae_scale_factor_spatial=8, vae_scale_factor_temporal=4,
+    max_tokens=75_600,  # its largest released setting: 1280x720, 81 frames
+    inputs=frozenset({"image"}),
+)
 # CogVideoX: ``CogVideoXPipeline.__call__``'s defaults (the transformer's sample size 90x60
 # latents times the VAE's 8: 720x480; 49 frames, 50 steps, guidance 6) at the 8 fps of its
 # examples; ``AutoencoderKLCogVideoX``: 4 blocks (2**3 = 8 in space), temporal_compression_ratio
@@ -179,7 +195,7 @@ GENERIC = Family(
     max_tokens=16_384,
 )
 
-FAMILIES = (TINY, WAN, COGVIDEOX, COSMOS3, MINIMAX_H3)
+FAMILIES = (TINY, WAN, WAN_I2V, COGVIDEOX, COSMOS3, MINIMAX_H3)
 _BY_DIFFUSERS_CLASS = {c: f for f in FAMILIES for c in f.diffusers_classes}
 
 
@@ -303,7 +319,8 @@ def _cosmos3_geometry(model: str, family: Family) -> dict[str, Any]:
             "patch_size": (1, patch, patch), "size_multiple": max(family.size_multiple, spatial)}
 
 
-_GEOMETRY = {WAN.name: _wan_geometry, COGVIDEOX.name: _cogvideox_geometry,
+_GEOMETRY = {WAN.name: _wan_geometry, WAN_I2V.name: _wan_geometry,
+             COGVIDEOX.name: _cogvideox_geometry,
              COSMOS3.name: _cosmos3_geometry}
 
 

@@ -193,7 +193,7 @@ def _blocks_held(dlo: dict) -> str:
 def make_checkpoint(
     out: Annotated[Path, typer.Option(help="Directory to write (diffusers format).")],
     family: Annotated[str, typer.Option(
-        help="Model family: wan, cogvideox, cosmos3 or minimax-h3.")] = "wan",
+        help="Model family: wan, wan-i2v, wan22-i2v, cogvideox, cosmos3 or minimax-h3.")] = "wan",
     layers: Annotated[int, typer.Option(help="Transformer blocks.")] = 2,
     width: Annotated[int, typer.Option(help="Transformer hidden size.")] = 64,
     head_dim: Annotated[int, typer.Option(help="Attention head size.")] = 128,

@@ -3,11 +3,14 @@
 ``make_checkpoint("wan", ...)`` writes what a real Wan2.1 T2V directory holds (``model_index.json``,
 ``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``) with a transformer of
 any depth and width and tiny companions: a small UMT5 encoder and a word-level tokenizer built
-here. ``"cogvideox"``, ``"cosmos3"`` and ``"minimax-h3"`` do the same for CogVideoX, Cosmos3
-(no text encoder; a chat tokenizer) and MiniMax-H3 (a modular pipeline's directory, with a
-small Qwen3-VL and a byte-level BPE tokenizer). The directories load through the same path as
-real models (``runtime.pipelines.diffusers_video``), and through diffusers' own pipelines, which
-the parity tests compare against.
+here. ``"wan-i2v"`` and ``"wan22-i2v"`` write image-to-video directories
+(``WanImageToVideoPipeline``): Wan2.1 I2V's transformer of 36 input channels with its image
+cross-attention, a small CLIP vision encoder and its image processor; Wan2.2 I2V's two experts,
+without an image encoder. ``"cogvideox"``, ``"cosmos3"`` and ``"minimax-h3"`` do the same for
+CogVideoX, Cosmos3 (no text encoder; a chat tokenizer) and MiniMax-H3 (a modular pipeline's
+directory, with a small Qwen3-VL and a byte-level BPE tokenizer). The directories load through
+the same path as real models (``runtime.pipelines.diffusers_video``), and through diffusers' own
+pipelines, which the parity tests compare against.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from diffusers.modular_pipelines import MiniMaxH3Blocks
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-FAMILIES = ("wan", "cogvideox", "cosmos3", "minimax-h3")
+FAMILIES = ("wan", "wan-i2v", "wan22-i2v", "cogvideox", "cosmos3", "minimax-h3")
 
 # Enough words for test prompts; anything else maps to <unk>.
 _WORDS = (
@@ -48,7 +51,11 @@ class SyntheticSpec:
     text_dim: int = 32  # the tiny text encoder's width
     text_layers: int = 2  # and its depth
     num_experts: int = 1  # wan: 2 writes a Wan2.2-style pair (high-noise, low-noise)
-    boundary_ratio: float = 0.875  # wan, 2 experts: where the low-noise expert takes over
+    # wan with 2 experts, and wan22-i2v (always 2): where the low-noise expert takes over
+    boundary_ratio: float = 0.875
+    # wan-i2v: a first-and-last-frame model (Wan2.1 FLF2V), whose image embedder takes the two
+    # frames' CLIP tokens side by side (``pos_embed_seq_len``); it renders only from both.
+    first_last_frame: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -62,6 +69,8 @@ class SyntheticSpec:
         self.head_dim = head_dim
         if self.num_experts not in (1, 2) or (self.num_experts == 2 and self.family != "wan"):
             raise ValueError("num_experts is 1, or 2 for the wan family (Wan2.2)")
+        if self.first_last_frame and self.family != "wan-i2v":
+            raise ValueError("first_last_frame is a wan-i2v model (Wan2.1 FLF2V)")
 
 
 def build_tokenizer(max_length: int = 512):  # noqa: ANN201 - a transformers tokenizer
@@ -265,7 +274,7 @@ def build_components(spec: SyntheticSpec) -> dict[str, object]:
             model.eval()
             if spec.dtype != torch.float32:
                 model.to(spec.dtype)  # in place
-    for name in ("vae", "text_encoder"):
+    for name in ("vae", "text_encoder", "image_encoder"):
         if isinstance(components.get(name), torch.nn.Module):
             components[name].eval()  # type: ignore[union-attr]
     return components
@@ -285,13 +294,9 @@ def _wan_cogvideox_components(spec: SyntheticSpec) -> dict[str, object]:
         transformer = experts[0]
         if spec.num_experts == 2:
             extra = {"transformer_2": experts[1], "boundary_ratio": spec.boundary_ratio}
-        vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1],
-                                         num_res_blocks=1,
-                                         temperal_downsample=[False, True, True])
+        vae = _wan_vae()
         text_encoder = _text_encoder(spec, len(tokenizer), "UMT5EncoderModel")
-        scheduler = diffusers.UniPCMultistepScheduler(
-            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
-            num_train_timesteps=1000)
+        scheduler = _wan_scheduler()
     else:
         transformer = diffusers.CogVideoXTransformer3DModel(
             num_attention_heads=heads, attention_head_dim=spec.head_dim, in_channels=4,
@@ -313,7 +318,62 @@ def _wan_cogvideox_components(spec: SyntheticSpec) -> dict[str, object]:
             "tokenizer": tokenizer, "scheduler": scheduler, **extra}
 
 
+def _wan_vae():  # noqa: ANN202 - a diffusers AutoencoderKLWan
+    """Wan2.1's VAE (16 latent channels, 8x in space, 4x in time), three channels wide."""
+    return diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1],
+                                      num_res_blocks=1, temperal_downsample=[False, True, True])
+
+
+def _wan_scheduler():  # noqa: ANN202 - a diffusers scheduler
+    return diffusers.UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+        num_train_timesteps=1000)
+
+
+# The small CLIP vision encoder of "wan-i2v": 32x32 pictures in 8x8 patches, so 17 tokens (the
+# class token and 16 patches; the release's ViT-H/14 at 224: 257 of width 1280).
+_CLIP_SIZE, _CLIP_PATCH, _CLIP_WIDTH = 32, 8, 32
+
+
+def _wan_i2v_components(spec: SyntheticSpec) -> dict[str, object]:
+    """Wan image-to-video, laid out as the releases are: the transformer takes the noisy latents
+    and the condition (4 mask channels, one per frame of a latent frame, and the 16 channels of
+    the encoded clip that holds the image) side by side, 36 channels. Wan2.1 I2V ("wan-i2v")
+    also attends to the image's CLIP tokens (``image_dim``, ``added_kv_proj_dim``: the width, as
+    released); Wan2.2 I2V ("wan22-i2v") has two experts and no image encoder."""
+    tokenizer = build_tokenizer()
+    heads = spec.width // spec.head_dim
+    num_experts = 2 if spec.family == "wan22-i2v" else 1
+    clip = spec.family == "wan-i2v"
+    tokens = (_CLIP_SIZE // _CLIP_PATCH) ** 2 + 1
+    experts = [diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=spec.head_dim,
+        in_channels=36, out_channels=16, text_dim=spec.text_dim, freq_dim=256,
+        ffn_dim=4 * spec.width, num_layers=spec.num_layers, rope_max_seq_len=32,
+        image_dim=_CLIP_WIDTH if clip else None, added_kv_proj_dim=spec.width if clip else None,
+        pos_embed_seq_len=2 * tokens if spec.first_last_frame else None)
+        for _ in range(num_experts)]
+    extra: dict[str, object] = {"image_encoder": None, "image_processor": None}
+    if clip:
+        config = transformers.CLIPVisionConfig(
+            hidden_size=_CLIP_WIDTH, intermediate_size=2 * _CLIP_WIDTH, num_hidden_layers=2,
+            num_attention_heads=2, image_size=_CLIP_SIZE, patch_size=_CLIP_PATCH,
+            projection_dim=_CLIP_WIDTH)
+        # The PIL backend: the default one needs torchvision. Both resize, crop and normalise
+        # as CLIP does; kiln and the reference call whichever the directory names.
+        extra = {"image_encoder": transformers.CLIPVisionModel(config).eval(),
+                 "image_processor": transformers.CLIPImageProcessorPil(
+                     size={"shortest_edge": _CLIP_SIZE},
+                     crop_size={"height": _CLIP_SIZE, "width": _CLIP_SIZE})}
+    if num_experts == 2:
+        extra |= {"transformer_2": experts[1], "boundary_ratio": spec.boundary_ratio}
+    return {"transformer": experts[0], "vae": _wan_vae(),
+            "text_encoder": _text_encoder(spec, len(tokenizer), "UMT5EncoderModel"),
+            "tokenizer": tokenizer, "scheduler": _wan_scheduler(), **extra}
+
+
 _BUILDERS = {"wan": _wan_cogvideox_components, "cogvideox": _wan_cogvideox_components,
+             "wan-i2v": _wan_i2v_components, "wan22-i2v": _wan_i2v_components,
              "cosmos3": _cosmos3_components, "minimax-h3": _minimax_h3_components}
 
 
@@ -326,6 +386,8 @@ def build_pipeline(spec: SyntheticSpec):  # noqa: ANN201 - a diffusers pipeline
         pipe.update_components(**components)
         return pipe
     classes = {"wan": diffusers.WanPipeline, "cogvideox": diffusers.CogVideoXPipeline,
+               "wan-i2v": diffusers.WanImageToVideoPipeline,
+               "wan22-i2v": diffusers.WanImageToVideoPipeline,
                "cosmos3": diffusers.Cosmos3OmniPipeline}
     return classes[spec.family](**components)
 

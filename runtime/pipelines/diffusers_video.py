@@ -9,16 +9,16 @@ then loads the tokenizer, text encoder, VAE and scheduler around those transform
 mechanism knows nothing about the family; a family says only what its loop never runs (dropped
 before loading), its text encoder's block lists and its optional components.
 
-What differs per family is the denoising loop (which loop a model gets, and the least size
-multiple it renders, come from its family in ``common.families``; ``runtime.pipelines.registry``
-maps one to the other), following each reference pipeline operation for operation. Here:
-``WanPipeline`` (Wan2.1, Wan2.2 with two experts) and ``CogVideoXPipeline``; Cosmos3 and
-MiniMax-H3 have modules of their own. CogVideoX's output matches its reference bit for bit
-(CPU, fp32, the same number of CPU threads: kernels split their reductions by thread count), and
-so does Wan's with ``cfg_batch=False``. By default Wan runs its CFG pair as one batch-2 forward
-where ``WanPipeline`` runs two batch-1 forwards (one gather per block per step, not two), which
-changes the last bits: a one-row matmul (the timestep embedding of a batch-1 forward) takes a
-different kernel from a two-row one. The loop is driven step by step (see
+What differs per family is the denoising loop (which loop a model gets, and the least size multiple
+it renders, come from its family in ``common.families``; ``runtime.pipelines.registry`` maps one to
+the other), following each reference pipeline operation for operation. Here: ``WanPipeline``
+(Wan2.1, Wan2.2 with two experts) and ``CogVideoXPipeline``; Wan image-to-video
+(``runtime.pipelines.wan_i2v``), Cosmos3 and MiniMax-H3 have modules of their own. CogVideoX's
+output matches its reference bit for bit (CPU, fp32, the same number of CPU threads: kernels split
+their reductions by thread count), and so does Wan's with ``cfg_batch=False``. By default Wan runs
+its CFG pair as one batch-2 forward where ``WanPipeline`` runs two batch-1 forwards (one gather per
+block per step, not two), which changes the last bits: a one-row matmul (the timestep embedding of a
+batch-1 forward) takes a different kernel from a two-row one. The loop is driven step by step (see
 ``runtime.pipelines.base``); each job keeps its own copy of the scheduler, whose multistep state
 belongs to that job.
 """
@@ -229,15 +229,15 @@ def _drop(model: Any, paths: Sequence[str]) -> None:
 def _activations(model: Any, model_dir: Path, tokens: int,
                  sequence: SequenceParallel | None) -> int:
     """What a rank keeps free of resident blocks: a block's activations on this rank's share of
-    the largest admitted job, and the components placed after the transformers (the VAE and
-    the text encoder, counted whole: its blocks stream, but a conservative budget only streams
-    a little more)."""
+    the largest admitted job, and the components placed after the transformers (the VAE, an
+    image-to-video model's image encoder, and the text encoder, counted whole: its blocks
+    stream, but a conservative budget only streams a little more)."""
     c = model.config
     width = getattr(c, "hidden_size", None) or (
         getattr(c, "num_attention_heads", 1) * getattr(c, "attention_head_dim", 1))
     ffn = getattr(c, "ffn_dim", None) or getattr(c, "intermediate_size", None) or 4 * width
     shard = -(-tokens // (sequence.degree if sequence is not None else 1))
-    others = sum(f.stat().st_size for part in ("vae", "text_encoder")
+    others = sum(f.stat().st_size for part in ("vae", "text_encoder", "image_encoder")
                  for f in (model_dir / part).glob("*.safetensors"))
     dtype_bytes = torch.empty((), dtype=model._kiln_dtype).element_size()
     return activation_bytes(shard, width, ffn, dtype_bytes) + others
@@ -355,7 +355,8 @@ class WanVideoPipeline(DiffusersVideoPipeline):
         model = self.transformers[expert]
         self._complete_handles_before(expert)  # same handle order on every rank
         latents = state.latents
-        model_input = latents.to(model._kiln_dtype)
+        model_input = self._model_input(state).to(model._kiln_dtype)
+        image = x.get("image_embeds")  # Wan2.1 I2V: its image's CLIP tokens; else None
         batched = x["uncond"] is not None and self.cfg_batch
         batch = 2 * latents.shape[0] if batched else latents.shape[0]
         if self.pipe.config.expand_timesteps:
@@ -371,16 +372,24 @@ class WanVideoPipeline(DiffusersVideoPipeline):
             noise, noise_uncond = model(
                 hidden_states=torch.cat([model_input, model_input]), timestep=timestep,
                 encoder_hidden_states=torch.cat([x["cond"], x["uncond"]]),
+                encoder_hidden_states_image=None if image is None else torch.cat([image, image]),
                 return_dict=False)[0].chunk(2)
         else:
             noise = model(hidden_states=model_input, timestep=timestep,
-                          encoder_hidden_states=x["cond"], return_dict=False)[0]
+                          encoder_hidden_states=x["cond"], encoder_hidden_states_image=image,
+                          return_dict=False)[0]
             if x["uncond"] is not None:
                 noise_uncond = model(hidden_states=model_input, timestep=timestep,
-                                     encoder_hidden_states=x["uncond"], return_dict=False)[0]
+                                     encoder_hidden_states=x["uncond"],
+                                     encoder_hidden_states_image=image, return_dict=False)[0]
         if noise_uncond is not None:
             noise = noise_uncond + state.request.guidance_scale * (noise - noise_uncond)
         state.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
+
+    def _model_input(self, state: DenoiseState) -> torch.Tensor:
+        """What the transformer denoises, fp32: the latents (image-to-video: with the image's
+        condition beside them, ``runtime.pipelines.wan_i2v``)."""
+        return state.latents
 
     def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae

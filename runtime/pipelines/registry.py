@@ -14,10 +14,11 @@ from runtime.pipelines.diffusers_video import (
     WanVideoPipeline,
 )
 from runtime.pipelines.minimax_h3 import MiniMaxH3VideoPipeline
+from runtime.pipelines.wan_i2v import WanI2VPipeline
 
 PIPELINES: dict[str, type[DiffusersVideoPipeline]] = {
-    c.__name__: c for c in (WanVideoPipeline, CogVideoXVideoPipeline, Cosmos3VideoPipeline,
-                            MiniMaxH3VideoPipeline)}
+    c.__name__: c for c in (WanVideoPipeline, WanI2VPipeline, CogVideoXVideoPipeline,
+                            Cosmos3VideoPipeline, MiniMaxH3VideoPipeline)}
 assert all(c.family.pipeline == name for name, c in PIPELINES.items())
 
 
