@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis import Redis
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -75,21 +76,31 @@ def _unauthorized(reason: str) -> HTTPException:
     )
 
 
-def bearer_key(request: Request) -> str:
-    """The key of the request's ``Authorization: Bearer`` header; 401 without one."""
-    header = request.headers.get("authorization")
-    if not header:
+# The OpenAPI document's security scheme: every route that depends on it declares
+# ``security: [{"HTTPBearer": []}]``, and Swagger UI's Authorize button sends the key with every
+# "Try it out". It raises nothing (``auto_error=False``): `bearer_key` answers with kiln's own
+# 401s, which say what is wrong with the header.
+bearer_scheme = HTTPBearer(
+    auto_error=False,
+    description="An API key (`kiln keys create`), sent as 'Authorization: Bearer <key>'.")
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
+
+
+def bearer_key(request: Request, credentials: HTTPAuthorizationCredentials | None) -> str:
+    """The key of the request's ``Authorization: Bearer`` header (``credentials``, as
+    `bearer_scheme` parsed it); 401 without one."""
+    if not request.headers.get("authorization"):
         raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-    scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
+    if credentials is None:  # another scheme, or no key after "Bearer"
         raise _unauthorized("Authorization must be 'Bearer <key>'")
-    return key.strip()
+    return credentials.credentials
 
 
-async def get_current_user(request: Request, session: SessionDep) -> User:
+async def get_current_user(request: Request, credentials: BearerDep,
+                           session: SessionDep) -> User:
     # A coroutine: a key found in the cache (most requests) costs no thread-pool hop; only
     # the lookup of a new key goes to the pool.
-    return await _user_for_key(request, bearer_key(request), session)
+    return await _user_for_key(request, bearer_key(request, credentials), session)
 
 
 async def _user_for_key(request: Request, key: str, session: Session | None) -> User:
@@ -110,7 +121,7 @@ async def _user_for_key(request: Request, key: str, session: Session | None) -> 
     return user
 
 
-async def get_stream_user(request: Request) -> StreamUser:
+async def get_stream_user(request: Request, credentials: BearerDep) -> StreamUser:
     """The user of a long-lived stream (``GET /v1/events``), by the Bearer key like every other
     route, and the key itself: the stream checks it again while it runs (a revoked key's stream
     ends). It holds no session: the stream must not keep a database connection.
@@ -121,7 +132,7 @@ async def get_stream_user(request: Request) -> StreamUser:
         raise HTTPException(status.HTTP_400_BAD_REQUEST,
                             "the API key goes in the header 'Authorization: Bearer <key>', not "
                             "in the URL (a URL is logged)")
-    key = bearer_key(request)
+    key = bearer_key(request, credentials)
     return StreamUser(await _user_for_key(request, key, None), key)
 
 

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api import batch_page, job_page
-from api.deps import CurrentUser, SessionDep, get_current_user
+from api.deps import BearerDep, CurrentUser, SessionDep, get_current_user
 from api.routes.jobs import JobId, visible_job
 from storage import queries, stats, webhooks, workers
 from storage.tables import JobState, User, utcnow
@@ -105,10 +105,11 @@ def summary(request: Request, user: CurrentUser, session: SessionDep) -> Summary
                          for j in newest])
 
 
-async def _optional_user(request: Request, session: SessionDep) -> User | None:
+async def _optional_user(request: Request, credentials: BearerDep,
+                         session: SessionDep) -> User | None:
     if not request.headers.get("authorization"):
         return None
-    return await get_current_user(request, session)
+    return await get_current_user(request, credentials, session)
 
 
 @router.get("/dashboard/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
