@@ -340,7 +340,7 @@ def job_public(job: Job, *, queue_position: int | None = None,
         video_url=f"/v1/jobs/{job.id}/video" if done and job.output_video_key else None,
         thumbnail_url=(f"/v1/jobs/{job.id}/thumbnail"
                        if done and job.output_thumbnail_key else None),
-        error=_error(job),
+        has_audio=job.has_audio, error=_error(job),
     )
 
 
@@ -366,7 +366,7 @@ def video_public(job: Job, *, retention_days: int = 0) -> VideoPublic:
     return VideoPublic(
         id=job.id, created_at=int(job.created_at.timestamp()),
         completed_at=int(job.finished_at.timestamp()) if job.finished_at else None,
-        model=job.model, progress=progress, prompt=job.prompt,
+        model=job.model, progress=progress, prompt=job.prompt, has_audio=job.has_audio,
         seconds=f"{seconds:g}", size=f"{job.width}x{job.height}", status=status_, error=error,
         remixed_from_video_id=job.source_job_id,
         expires_at=(int((job.finished_at + timedelta(days=retention_days)).timestamp())

@@ -239,6 +239,9 @@ class JobPublic(BaseModel):
     render_seconds: float | None
     video_url: str | None
     thumbnail_url: str | None
+    has_audio: bool | None = Field(
+        default=None, description="whether the video has a soundtrack (an AAC stream in the "
+                                  "MP4); null until the video is written")
     error: JobError | None
 
 
@@ -351,6 +354,9 @@ class VideoPublic(BaseModel):
     size: str
     status: Literal["queued", "in_progress", "completed", "failed"]
     error: VideoError | None
+    has_audio: bool | None = Field(
+        default=None, description="whether the video has a soundtrack; null until it is "
+                                  "written")
 
 
 class VideoList(BaseModel):

@@ -545,7 +545,8 @@ class Coordinator:
         """The attempt's final transition; one an outage stops is kept in ``unfinished`` and
         tried again every turn (the lease thread keeps its lease meanwhile)."""
         ending = Ending(outcome=st.outcome, video_key=st.video_key,  # type: ignore[arg-type]
-                        thumbnail_key=st.thumbnail_key, error=st.error, retryable=st.retryable)
+                        thumbnail_key=st.thumbnail_key, has_audio=st.has_audio, error=st.error,
+                        retryable=st.retryable)
         try:
             state = self.io.finish(st.job_id, st.attempt_token, ending)
         except Exception as exc:

@@ -17,10 +17,11 @@ In lock-step:
 3. If any rank has a job, every rank runs one step: ``pipe.step`` on its job, ``pipe.idle_step``
    without one. Each step is the same number of forwards on every rank, so the weight gathers
    stay in lock-step (``runtime.pipelines.base``). A rank whose job has finished decodes it and
-   hands the frames to its own writer thread (MP4, thumbnail, output store: the ``write``
-   function it is given), and is free for a new job at the next step boundary: the encoding
-   (longer than the decode) does not hold up the other ranks, which wait for this one at every
-   gather. The job's final status follows when its files are stored.
+   hands the frames (and the soundtrack, where the pipeline makes one and the job wants it) to
+   its own writer thread (MP4, thumbnail, output store: the ``write`` function it is given),
+   and is free for a new job at the next step boundary: the encoding (longer than the decode)
+   does not hold up the other ranks, which wait for this one at every gather. The job's final
+   status follows when its files are stored.
 4. Rank 0 gathers every rank's messages (`Progress`, `Rendered`, `Ended`, `RankReport`) and hands
    them to the driver.
 
@@ -66,8 +67,9 @@ from common.procs import cgroup_memory_bytes
 from runtime import resume
 from runtime.mailbox import Mailbox, open_mailbox
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
-from runtime.render import frames_to_uint8, memory_figures
+from runtime.render import frames_to_uint8, memory_figures, soundtrack
 from runtime.sequence import SOLO, Layout
+from storage.video import Soundtrack
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,9 @@ log = logging.getLogger(__name__)
 # again), anything else when these frames cannot be written (the job fails). It may have
 # ``discard(job_id)`` (drop what it keeps for a job given up) and ``close()``, and for previews
 # ``preview(frame [H, W, 3] uint8 numpy, job_id, step, num_inference_steps)`` and
-# ``drop_preview(job_id)``, called on the rank's preview thread.
-WriteOutputs = Callable[[Any, str, int], tuple[str, str]]
+# ``drop_preview(job_id)``, called on the rank's preview thread. A job with a soundtrack is
+# written with it as a fourth argument (a `storage.video.Soundtrack`); one without, as before.
+WriteOutputs = Callable[..., tuple[str, str]]
 
 # While the storage refuses a rank's writes, the writer thread waits this long before the first
 # try again, doubling up to the most.
@@ -100,11 +103,13 @@ CLOSE_WAIT_SECONDS = 5.0
 @dataclass(kw_only=True, slots=True)
 class Ticket:
     """A claimed job as a rank needs it: the request (its render fields, the frame rate to write
-    included) and the attempt it belongs to."""
+    included), the attempt it belongs to, and whether its video gets the soundtrack the
+    pipeline makes (``audio``; a pipeline without sound writes none either way)."""
 
     job_id: str
     attempt_token: str
     request: VideoRequest
+    audio: bool = True
 
 
 @dataclass(kw_only=True, slots=True)
@@ -181,6 +186,7 @@ class Ended:
     num_inference_steps: int = 0
     video_key: str | None = None
     thumbnail_key: str | None = None
+    has_audio: bool | None = None  # stored: whether the video has a soundtrack
     error: str | None = None
     retryable: bool = False  # the worker, not the request, was at fault
     compute_seconds: float = 0.0
@@ -242,6 +248,7 @@ class _Held:
     final: Ended  # its status once stored
     frames: Any  # uint8 [N, H, W, 3], kept until the files are stored
     fps: int
+    audio: Soundtrack | None = None  # its soundtrack, written with the frames
     # Its `Rendered` has reached rank 0 (`RankLoop.reported`): only then is it written, so
     # that its `Ended` can never overtake it.
     announced: bool = False
@@ -455,6 +462,7 @@ class RankLoop:
             return None
         try:
             frames = frames_to_uint8(self.pipe.decode(state)).cpu().numpy()
+            audio = soundtrack(self.pipe, state) if job.ticket.audio else None
         except Exception as exc:
             log.exception("rank %d: decoding job %s failed", self.rank, job.ticket.job_id)
             return self._end(job, outcome="failed", error=f"decoding the video failed: {exc}",
@@ -462,7 +470,7 @@ class RankLoop:
         fps = job.ticket.request.fps
         final = self._end(job, outcome="succeeded")
         with self._writes:
-            self._held.append(_Held(final, frames, fps))
+            self._held.append(_Held(final, frames, fps, audio))
             self._writes.notify_all()
         return Rendered(rank=self.rank, job_id=final.job_id, attempt_token=final.attempt_token,
                         num_inference_steps=final.num_inference_steps,
@@ -504,7 +512,8 @@ class RankLoop:
                 assert held is not None
             job_id = held.final.job_id
             try:
-                video, thumb = self.write(held.frames, job_id, held.fps)
+                sound = () if held.audio is None else (held.audio,)
+                video, thumb = self.write(held.frames, job_id, held.fps, *sound)
             except OSError as exc:
                 delay = min(MAX_RETRY_SECONDS, max(FIRST_RETRY_SECONDS, 2 * delay))
                 with self._writes:
@@ -523,7 +532,8 @@ class RankLoop:
                 result = replace(held.final, outcome="failed", retryable=True,
                                  error=f"writing the video failed: {exc}")
             else:
-                result = replace(held.final, video_key=video, thumbnail_key=thumb)
+                result = replace(held.final, video_key=video, thumbnail_key=thumb,
+                                 has_audio=held.audio is not None)
                 delay = 0.0
             with self._writes:
                 current = held in self._held

@@ -6,8 +6,8 @@ across the ranks), takes the request with its rank's index if there is one, and 
 lock-step (``runtime.pipelines.base``): before each step the ranks agree which transformers it
 gathers (``agree_handles``), and a rank without a request, or whose request has finished, calls
 ``idle_step`` until the longest request is done. Each rank with a request writes its own
-MP4 and thumbnail. Rank 0's progress and every rank's memory figures come back to the parent
-over a queue.
+MP4 (with the soundtrack, where the pipeline makes one) and thumbnail. Rank 0's progress and
+every rank's memory figures come back to the parent over a queue.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from common.families import MODEL_INDEX_FILES, TINY, TINY_MODEL, family_of, mode
 from runtime.budget import AUTO, DeviceBudget
 from runtime.launch import RankContext, run_ranks
 from runtime.models.tiny import TRAINED_WEIGHTS
-from runtime.pipelines.base import VideoPipeline, VideoRequest, agree_handles
+from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
 from runtime.pipelines.tiny import TinyPipeline
 from runtime.sequence import SOLO, Layout, SequenceParallel, open_sequence
 from runtime.tiling import map_tiles, plan_tiles
-from storage.video import float_to_uint8, write_outputs
+from storage.video import Soundtrack, float_to_uint8, write_outputs
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,12 +115,28 @@ def frames_to_uint8(frames: Any, *, free_bytes: int | None = None) -> Any:
     return map_tiles(float_to_uint8, frames, out, plan)
 
 
+def soundtrack(pipe: VideoPipeline, state: DenoiseState) -> Soundtrack | None:
+    """The finished job's soundtrack, where the pipeline makes one (a ``decode_audio`` that
+    gives samples and their rate: MiniMax-H3 with an audio VAE); None otherwise."""
+    decode_audio = getattr(pipe, "decode_audio", None)
+    sound = decode_audio(state) if decode_audio is not None else None
+    return Soundtrack(*sound) if sound is not None else None
+
+
 def run_lockstep(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
                  on_step: Callable[[int, int], None] | None = None) -> Any:
     """Request ``rank`` (if there is one) stepped in lock-step with the other ranks, which run
     the others; idle steps until the longest request is done. Each step gathers only the
     transformers some rank needs for it (`agree_handles`: every rank calls it, in step). Returns
     the decoded float frames, or None on a rank without a request."""
+    state = step_lockstep(pipe, rank, requests, on_step)
+    return pipe.decode(state) if state is not None else None
+
+
+def step_lockstep(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
+                  on_step: Callable[[int, int], None] | None = None) -> DenoiseState | None:
+    """`run_lockstep`'s steps: the finished state of request ``rank``, not yet decoded (None on
+    a rank without a request)."""
     request = requests[rank] if rank < len(requests) else None
     num_inference_steps = max(r.num_inference_steps for r in requests)
     state = pipe.prepare(request) if request is not None else None
@@ -132,7 +148,7 @@ def run_lockstep(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
             pipe.idle_step(active)
         if on_step is not None:
             on_step(i + 1, num_inference_steps)
-    return pipe.decode(state) if state is not None else None
+    return state
 
 
 def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], out: str,
@@ -142,13 +158,15 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
     ``fps`` by the replica's first rank; idle steps otherwise."""
     started = time.perf_counter() if started is None else started
     index = layout.replica(rank)
-    decoded = run_lockstep(pipe, index, requests, on_step)
+    state = step_lockstep(pipe, index, requests, on_step)
+    decoded = pipe.decode(state) if state is not None else None
     video = thumb = None
     num_frames = 0
-    if decoded is not None and layout.is_leader(rank):
+    if state is not None and decoded is not None and layout.is_leader(rank):
         frames = frames_to_uint8(decoded).cpu().numpy()
         num_frames = int(frames.shape[0])
-        video, thumb = write_outputs(frames, output_path(out, index), fps=requests[index].fps)
+        video, thumb = write_outputs(frames, output_path(out, index), fps=requests[index].fps,
+                                     audio=soundtrack(pipe, state))
     peak, pss, private = memory_figures()
     dlo = next((h.stats() for h in pipe.handles if h is not None), {})
     return RankReport(rank=rank, out=str(video) if video else None,

@@ -34,6 +34,7 @@ class Ending:
     outcome: Literal["succeeded", "cancelled", "failed"]
     video_key: str | None = None  # succeeded: the stored video and thumbnail
     thumbnail_key: str | None = None
+    has_audio: bool | None = None  # succeeded: whether the video has a soundtrack
     error: str | None = None  # failed: the reason a person can act on
     code: str = "render_failed"
     retryable: bool = False  # the worker, not the request, was at fault: the job may run again
@@ -53,7 +54,8 @@ def finish_attempt(session: Session, redis: Redis, prefix: str, job_id: str,
         assert ending.video_key is not None
         done = lifecycle.finish_succeeded(session, job_id, attempt_token,
                                           video_key=ending.video_key,
-                                          thumbnail_key=ending.thumbnail_key)
+                                          thumbnail_key=ending.thumbnail_key,
+                                          has_audio=ending.has_audio)
         state = JobState.SUCCEEDED if done else None
     elif ending.outcome == "cancelled":
         done = lifecycle.finish_cancelled(session, job_id, attempt_token)

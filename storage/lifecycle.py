@@ -18,7 +18,8 @@ Worker side, in order (all take ``now`` for tests; it defaults to the current UT
   -> `Beat | None` renews the lease and records progress; ``Beat.cancel_requested`` tells the
   rank to stop after this step; None means the attempt is no longer current: drop the job
   without writing anything.
-- `finish_succeeded(session, job_id, token, video_key=..., thumbnail_key=...)` -> bool
+- `finish_succeeded(session, job_id, token, video_key=..., thumbnail_key=..., has_audio=...)`
+  -> bool
 - `finish_cancelled(session, job_id, token)` -> bool (after seeing ``cancel_requested``)
 - `fail_job(session, job_id, token, error=..., retryable=False)` -> new state or None
 - `note_resumed(session, job_id, token, step=...)`, `note_preempted(session, job_id, token,
@@ -266,9 +267,11 @@ def finish_succeeded(
     *,
     video_key: str,
     thumbnail_key: str | None = None,
+    has_audio: bool | None = None,
     now: datetime | None = None,
 ) -> bool:
-    """running -> succeeded; False (nothing written) if this attempt is no longer current."""
+    """running -> succeeded; False (nothing written) if this attempt is no longer current.
+    ``has_audio``: whether the stored video has a soundtrack (None: not said)."""
     now = now or utcnow()
     started = session.scalar(
         select(Job.started_at).where(Job.id == job_id, Job.attempt_token == attempt_token)
@@ -278,7 +281,7 @@ def finish_succeeded(
         detail=lambda job: {"render_seconds": job.render_seconds}, now=now,
         state=JobState.SUCCEEDED.value, finished_at=now, lease_expires_at=None,
         progress_step=Job.progress_total, output_video_key=video_key,
-        output_thumbnail_key=thumbnail_key,
+        output_thumbnail_key=thumbnail_key, has_audio=has_audio,
         render_seconds=(now - started).total_seconds() if started is not None else None,
         error=None, error_code=None,
     )
