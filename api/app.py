@@ -122,6 +122,7 @@ def create_app(
     app.include_router(videos.router)
     app.include_router(system.router)
     app.include_router(dashboard.router)
+    app.mount(dashboard.ASSETS_PATH, dashboard.assets, name="assets")
     app.include_router(events.router)
     app.include_router(models.router)
     app.include_router(docs.router)

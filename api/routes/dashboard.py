@@ -16,14 +16,17 @@ the same way.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request, status
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import HTMLResponse, Response
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from api import batch_page, job_page
 from api.deps import BearerDep, CurrentUser, SessionDep, get_current_user
@@ -157,16 +160,25 @@ async def batch_detail_page(
     return HTMLResponse(batch_page.page(main, batch_id), headers=_PAGE_HEADERS)
 
 
-_ASSETS = Path(__file__).resolve().parent.parent / "assets"
-_ASSET_TYPES = {".js": "text/javascript", ".css": "text/css"}
-# The pages' scripts and stylesheet, by name: nothing else under the folder is served.
-_ASSET_FILES = {p.name: p for p in _ASSETS.iterdir() if p.suffix in _ASSET_TYPES}
+class _Assets(StaticFiles):
+    """The pages' scripts and stylesheet (the ``.js`` and ``.css`` files of ``api/assets``;
+    nothing else there is served), checked again at every load (``no-cache``: a new release's
+    script is picked up at once, and the ETag spares the transfer until then)."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        missing = HTTPException(status.HTTP_404_NOT_FOUND, f"no asset named {path[:60]!r}")
+        if PurePosixPath(path).suffix not in (".js", ".css"):
+            raise missing
+        try:
+            response = await super().get_response(path, scope)
+        except StarletteHTTPException as exc:
+            if exc.status_code == status.HTTP_404_NOT_FOUND:
+                raise missing from None
+            raise
+        response.headers["Cache-Control"] = "no-cache"
+        return response
 
 
-@router.get("/dashboard/assets/{name}", include_in_schema=False)
-async def asset(name: str) -> FileResponse:
-    path = _ASSET_FILES.get(name)
-    if path is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no asset named {name[:60]!r}")
-    return FileResponse(path, media_type=_ASSET_TYPES[path.suffix],
-                        headers={"Cache-Control": "no-cache"})
+# Mounted by `api.app` at ASSETS_PATH: /dashboard/assets/kiln.css, /dashboard/assets/page.js, ...
+ASSETS_PATH = "/dashboard/assets"
+assets = _Assets(directory=Path(__file__).resolve().parent.parent / "assets")

@@ -134,3 +134,19 @@ def test_the_listed_batches_carry_what_the_panel_shows_to_their_owner_only(api) 
     assert api.client.get("/v1/batches", headers=api.auth("bob")).json()["data"] == []
     [seen] = api.client.get("/v1/batches", headers=api.auth("root")).json()["data"]
     assert seen["owner"] == "alice"
+
+
+def test_assets_are_revalidated_at_every_load_and_only_scripts_and_styles_are_served(
+        api) -> None:  # noqa: ANN001
+    script = api.client.get("/dashboard/assets/page.js")
+    assert script.headers["content-type"] == "text/javascript; charset=utf-8"
+    assert script.headers["cache-control"] == "no-cache"
+    style = api.client.get("/dashboard/assets/kiln.css")
+    assert style.headers["content-type"] == "text/css; charset=utf-8"
+    again = api.client.get("/dashboard/assets/page.js",
+                           headers={"If-None-Match": script.headers["etag"]})
+    assert again.status_code == 304 and again.headers["cache-control"] == "no-cache"
+    for name in ("nothing.js", "dashboard.html", "..%2Fdeps.py"):
+        r = api.client.get(f"/dashboard/assets/{name}")
+        assert r.status_code == 404, name
+        assert r.json()["error"]["message"].startswith("no asset named"), r.text
