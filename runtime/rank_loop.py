@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -463,6 +464,11 @@ class RankLoop:
         try:
             frames = frames_to_uint8(self.pipe.decode(state)).cpu().numpy()
             audio = soundtrack(self.pipe, state) if job.ticket.audio else None
+            conditioning = job.ticket.request.conditioning
+            if conditioning is not None and conditioning.prefix is not None:
+                # An extension: the clip it continues, then the new frames after their first
+                # (the clip's last frame, which the render started from).
+                frames = np.concatenate([conditioning.prefix.numpy(), frames[1:]])
         except Exception as exc:
             log.exception("rank %d: decoding job %s failed", self.rank, job.ticket.job_id)
             return self._end(job, outcome="failed", error=f"decoding the video failed: {exc}",
