@@ -284,10 +284,15 @@ def _install(transformers: Mapping[str, nn.Module], adapter: Adapter) -> None:
     if adapter in checked:
         return
     for module_name, layer in adapter.layers.items():
-        linear = model.get_submodule(module_name)
-        assert isinstance(linear, nn.Linear) and linear.in_features == layer.down.shape[1] \
-            and linear.out_features == layer.up.shape[0], \
-            f"adapter {adapter.name!r} was loaded against another model ({module_name})"
+        try:
+            linear = model.get_submodule(module_name)
+        except AttributeError:
+            linear = None
+        if not (isinstance(linear, nn.Linear) and linear.in_features == layer.down.shape[1]
+                and linear.out_features == layer.up.shape[0]):
+            raise ValueError(f"adapter {adapter.name!r} does not fit this pipeline's "
+                             f"{adapter.target} at {module_name!r}: it was loaded for another "
+                             "model")
         if not hasattr(linear, "_kiln_lora_hook"):
             linear._kiln_lora_hook = linear.register_forward_hook(  # type: ignore[assignment]
                 _hook(adapter.target, module_name))

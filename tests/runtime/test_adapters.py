@@ -26,11 +26,12 @@ import pytest
 import torch
 from multirank import run_ranks
 from test_gathers_per_step import _record_steps
-from test_pipeline_diffusers import WAN_ATOL
+from test_pipeline_diffusers import REQUESTS, WAN_ATOL
 
-from runtime.adapters import load_adapter, named_transformers
+from runtime.adapters import LOADERS, load_adapter, named_transformers
 from runtime.models.synthetic import SyntheticSpec, build_components, make_checkpoint
 from runtime.pipelines.base import VideoRequest
+from runtime.pipelines.minimax_h3 import t2v_blocks
 from runtime.pipelines.reference import run_reference
 from runtime.pipelines.registry import load_diffusers
 from runtime.render import run_lockstep
@@ -40,17 +41,20 @@ WAN = SyntheticSpec(family="wan")
 REQUEST = VideoRequest(prompt="a red circle moving left", negative_prompt="blurry",
                        width=64, height=64, num_frames=9, num_inference_steps=3, seed=0,
                        guidance_scale=5.0)
+# Modules kiln never loads (Cosmos3's text head), which an adapter cannot name.
+UNUSED = ("lm_head",)
 
 
 def write_adapter(path: Path, transformer: torch.nn.Module, *, rank: int, alpha: float,
                   seed: int, modules: list[str] | None = None,
-                  rank_pattern: dict[str, int] | None = None) -> Path:
-    """A random LoRA over ``modules`` (default: every Linear, in the blocks and outside them) in
-    diffusers' layout: ``transformer.<module>.lora_A.weight`` / ``lora_B.weight``, and the
-    LoRA config (rank, alpha, per-module ranks) in the header's adapter metadata."""
+                  rank_pattern: dict[str, int] | None = None, family: str = "wan") -> Path:
+    """A random LoRA over ``modules`` (default: every Linear, in the blocks and outside them),
+    written by the family's diffusers loader: ``transformer.<module>.lora_A.weight`` /
+    ``lora_B.weight``, and the LoRA config (rank, alpha, per-module ranks) in the header's
+    adapter metadata."""
     g = torch.Generator().manual_seed(seed)
     modules = modules or [n for n, m in transformer.named_modules()
-                          if isinstance(m, torch.nn.Linear)]
+                          if isinstance(m, torch.nn.Linear) and n not in UNUSED]
     layers = {}
     for name in modules:
         linear = transformer.get_submodule(name)
@@ -60,9 +64,9 @@ def write_adapter(path: Path, transformer: torch.nn.Module, *, rank: int, alpha:
         layers[f"{name}.lora_B.weight"] = torch.randn(linear.out_features, r, generator=g) * 0.3
     config = {"r": rank, "lora_alpha": alpha, "target_modules": modules,
               "rank_pattern": rank_pattern or {}}
-    diffusers.WanPipeline.save_lora_weights(path.parent, transformer_lora_layers=layers,
-                                            weight_name=path.name,
-                                            transformer_lora_adapter_metadata=config)
+    getattr(diffusers.loaders, LOADERS[family]).save_lora_weights(
+        path.parent, transformer_lora_layers=layers, weight_name=path.name,
+        transformer_lora_adapter_metadata=config)
     return path
 
 
@@ -134,6 +138,29 @@ def test_wan_with_an_adapter_and_batched_cfg_is_within_the_cfg_batching_toleranc
     finally:
         pipe.close()
     np.testing.assert_allclose(frames, reference_frames(wan, {"a": 0.7}), rtol=0, atol=WAN_ATOL)
+
+
+def test_wan22_experts_each_take_their_own_adapter_as_diffusers_loads_them(wan, tmp_path):
+    # 4 steps: t = 999, 900, 750 on the high-noise expert, 500 on the low-noise one.
+    spec = SyntheticSpec(family="wan", num_experts=2, boundary_ratio=0.6)
+    request = dataclasses.replace(REQUEST, num_inference_steps=4)
+    pipe = load_diffusers(make_checkpoint(tmp_path / "wan22", spec), cfg_batch=False)
+    try:
+        experts = named_transformers(pipe)
+        adapters = ((load_adapter(wan["a"], "wan", experts), 0.7),
+                    (load_adapter(wan["b"], "wan", experts, into="transformer_2"), 1.5))
+        assert [a.target for a, _ in adapters] == ["transformer", "transformer_2"]
+        frames = pipe.generate(dataclasses.replace(request, adapters=adapters)).numpy()
+        high_only = pipe.generate(dataclasses.replace(request, adapters=adapters[:1])).numpy()
+    finally:
+        pipe.close()
+    ref = diffusers.WanPipeline(**build_components(spec))
+    ref.set_progress_bar_config(disable=True)
+    ref.load_lora_weights(str(wan["a"]), adapter_name="high")
+    ref.load_lora_weights(str(wan["b"]), adapter_name="low", load_into_transformer_2=True)
+    ref.set_adapters(["high", "low"], [0.7, 1.5])
+    np.testing.assert_array_equal(frames, run_reference(ref, "wan", request))
+    assert np.abs(frames - high_only).max() > 0.01  # the low-noise expert's adapter counts
 
 
 def _rank(rank: int, world: int, model_dir: str, files: dict[str, Path],
@@ -208,6 +235,15 @@ def test_a_file_that_does_not_fit_the_transformer_is_refused_naming_the_first_pr
             load_adapter(tmp_path / "rank.safetensors", "wan", transformers)
         with pytest.raises(ValueError, match="no transformer_2"):
             load_adapter(wan["a"], "wan", transformers, into="transformer_2")
+        # An adapter for a transformer the pipeline does not run fails the step, whose gathers
+        # are still issued for the other ranks.
+        adapter = load_adapter(wan["b"], "wan", transformers)
+        elsewhere = dataclasses.replace(adapter, target="transformer_2")
+        state = pipe.prepare(dataclasses.replace(REQUEST, adapters=((elsewhere, 1.0),)))
+        with pytest.raises(ValueError, match="is for transformer_2, which this pipeline does "
+                                             "not run \\(it runs transformer\\)"):
+            pipe.step(state)
+        assert pipe.handles[0].num_acquired == pipe.handles[0].num_blocks
     finally:
         pipe.close()
 
@@ -231,3 +267,32 @@ def test_a_request_digest_covers_its_adapters_and_is_unchanged_without(wan):
     del fields["adapters"], fields["conditioning"]
     legacy = dataclasses.make_dataclass("Legacy", list(fields), slots=True)(**fields)
     assert plain == request_digest(legacy)
+
+
+@pytest.mark.parametrize("family", ["cosmos3", "minimax-h3"])
+def test_cosmos3_and_minimax_h3_with_an_adapter_equal_diffusers_bit_for_bit(family, tmp_path):
+    spec = SyntheticSpec(family=family)
+    model_dir = make_checkpoint(tmp_path / family, spec)
+    path = write_adapter(tmp_path / "a.safetensors", build_components(spec)["transformer"],
+                         rank=4, alpha=8, seed=1, family=family)
+    request = REQUESTS.get(family, REQUEST)
+    pipe = load_diffusers(model_dir)
+    try:
+        adapter = load_adapter(path, family, named_transformers(pipe))
+        frames = pipe.generate(dataclasses.replace(request, adapters=((adapter, 0.7),))).numpy()
+        plain = pipe.generate(request).numpy()
+    finally:
+        pipe.close()
+    if family == "minimax-h3":  # its modular pipeline carries diffusers' MiniMax-H3 loader
+        ref = t2v_blocks().init_pipeline()
+        ref.update_components(**build_components(spec))
+        ref.load_lora_weights(str(path), adapter_name="a")
+        ref.set_adapters(["a"], [0.7])
+    else:  # Cosmos3OmniPipeline has no LoRA loader: the transformer's own (peft's) path
+        ref = diffusers.Cosmos3OmniPipeline(**build_components(spec))
+        ref.set_progress_bar_config(disable=True)
+        ref.transformer.load_lora_adapter(str(path), prefix="transformer", adapter_name="a",
+                                          use_safetensors=True)  # with the header's config
+        ref.transformer.set_adapters(["a"], [0.7])
+    np.testing.assert_array_equal(frames, run_reference(ref, family, request))
+    assert np.abs(frames - plain).max() > 0.1 and frames.std() > 0.01

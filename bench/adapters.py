@@ -1,0 +1,108 @@
+"""Forward time of a DiT with a LoRA adapter applied on the activation side, over without.
+
+A DiT-shaped model (`bench.dit`) of ``--width`` runs three ways, interleaved within every round
+so drift in machine load hits each alike (a ``--reps`` rounds, median of each):
+
+- ``none``: no adapter ever used, so no hook is installed;
+- ``hooks_idle``: a copy whose Linears carry `runtime.adapters`' hooks (an adapter ran on it
+  before) running a job without adapters: what such a job pays, one hook call per Linear;
+- ``adapter``: that copy with a rank-``--rank`` adapter on every Linear of every block (qkv,
+  proj, fc1, fc2), weight 1.
+
+Prints JSON per token count: the median forward seconds of each mode and their ratios to
+``none`` (and the ratios of the fastest forwards, less disturbed by other load). CPU, fp32, the
+process's torch threads.
+
+Usage: python bench/adapters.py [--width 1024] [--tokens 256,2048] [--blocks 2] [--rank 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench.dit import DiT  # noqa: E402
+from runtime.adapters import Adapter, LoraLayer, use_adapters  # noqa: E402
+
+
+def random_adapter(model: nn.Module, rank: int) -> Adapter:
+    """A rank-``rank`` LoRA (alpha = rank) on every Linear of ``model.blocks``."""
+    g = torch.Generator().manual_seed(0)
+    layers = {}
+    for name, linear in model.blocks.named_modules():
+        if isinstance(linear, nn.Linear):
+            layers[f"blocks.{name}"] = LoraLayer(
+                down=torch.randn(rank, linear.in_features, generator=g) / linear.in_features,
+                up=torch.randn(linear.out_features, rank, generator=g) / rank,
+                up_bias=None, alpha=float(rank))
+    return Adapter(name="bench", target="transformer", layers=layers, digest="bench")
+
+
+def measure(width: int, blocks: int, tokens: int, rank: int, reps: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    plain = DiT(width, blocks).eval()
+    hooked = copy.deepcopy(plain)
+    pipe = SimpleNamespace(pipe=SimpleNamespace(transformer=hooked))  # use_adapters reads .pipe
+    adapter = random_adapter(hooked, rank)
+    x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(1))
+    runs = {
+        "none": lambda: plain(x),
+        "hooks_idle": lambda: hooked(x),
+        "adapter": lambda: _with(pipe, adapter, hooked, x),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.no_grad():
+        for run in runs.values():  # warm-up; installs the hooks on the hooked copy
+            run()
+        assert torch.equal(plain(x), hooked(x))  # idle hooks change no bit
+        for _ in range(reps):
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    best = {name: min(t) for name, t in times.items()}
+    return {
+        "tokens": tokens, "width": width, "blocks": blocks, "rank": rank, "reps": reps,
+        "threads": torch.get_num_threads(),
+        **{f"{name}_s": round(s, 4) for name, s in med.items()},
+        "hooks_idle_ratio": round(med["hooks_idle"] / med["none"], 3),
+        "adapter_ratio": round(med["adapter"] / med["none"], 3),
+        # The fastest of each: less of the machine's other load in it than the median.
+        "hooks_idle_ratio_min": round(best["hooks_idle"] / best["none"], 3),
+        "adapter_ratio_min": round(best["adapter"] / best["none"], 3),
+    }
+
+
+def _with(pipe: SimpleNamespace, adapter: Adapter, model: nn.Module,
+          x: torch.Tensor) -> torch.Tensor:
+    with use_adapters(pipe, [(adapter, 1.0)]):
+        return model(x)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--tokens", default="256,2048", help="comma-separated token counts")
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        print(json.dumps(measure(args.width, args.blocks, tokens, args.rank, args.reps)),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
