@@ -295,15 +295,19 @@ def read_video(path: str | os.PathLike[str]) -> np.ndarray:
 
 
 def read_audio(path: str | os.PathLike[str]) -> Soundtrack:
-    """An MP4's first audio stream, decoded: float32 ``[channels, samples]`` and its rate, cut to
-    the stream's duration (the decoder pads its last AAC frame); ValueError when it has none."""
+    """An MP4's first audio stream, decoded: float32 ``[channels, samples]`` and its rate, cut
+    where its last packet ends (the decoder pads the last AAC frame, and the stream's duration
+    is rounded to the file's millisecond timescale); ValueError when it has none."""
     with av.open(str(path)) as container:
         if not container.streams.audio:
             raise ValueError(f"{path}: no audio stream")
         stream = container.streams.audio[0]
-        chunks = [f.to_ndarray() for f in container.decode(stream)]
+        chunks, end = [], 0
+        for packet in container.demux(stream):
+            if packet.pts is not None:
+                end = max(end, packet.pts + packet.duration)
+            chunks += [f.to_ndarray() for f in stream.decode(packet)]
         rate = stream.codec_context.sample_rate
-        length = (round(stream.duration * stream.time_base * rate)
-                  if stream.duration is not None else None)
+        length = round(end * stream.time_base * rate)
     samples = np.concatenate(chunks, axis=1).astype(np.float32)
     return Soundtrack(samples[:, :length], rate)
