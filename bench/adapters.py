@@ -1,7 +1,7 @@
 """Forward time of a DiT with a LoRA adapter applied on the activation side, over without.
 
 A DiT-shaped model (`bench.dit`) of ``--width`` runs three ways, interleaved within every round
-so drift in machine load hits each alike (a ``--reps`` rounds, median of each):
+so drift in machine load hits each alike (``--reps`` rounds, median of each):
 
 - ``none``: no adapter ever used, so no hook is installed;
 - ``hooks_idle``: a copy whose Linears carry `runtime.adapters`' hooks (an adapter ran on it
@@ -9,9 +9,9 @@ so drift in machine load hits each alike (a ``--reps`` rounds, median of each):
 - ``adapter``: that copy with a rank-``--rank`` adapter on every Linear of every block (qkv,
   proj, fc1, fc2), weight 1.
 
-Prints JSON per token count: the median forward seconds of each mode and their ratios to
-``none`` (and the ratios of the fastest forwards, less disturbed by other load). CPU, fp32, the
-process's torch threads.
+Prints JSON: the microseconds an idle hook adds to one Linear call, then per token count the
+median forward seconds of each mode and their ratios to ``none`` (and the ratios of the fastest
+forwards, less disturbed by other load). CPU, fp32, the process's torch threads.
 
 Usage: python bench/adapters.py [--width 1024] [--tokens 256,2048] [--blocks 2] [--rank 16]
 """
@@ -91,6 +91,28 @@ def _with(pipe: SimpleNamespace, adapter: Adapter, model: nn.Module,
         return model(x)
 
 
+def hook_call_us(calls: int = 20000) -> float:
+    """Microseconds an idle hook adds to one Linear call (a Linear of 16 -> 16 on one row, so
+    the call itself is small): the per-Linear figure of ``hooks_idle``, which its ratio is too
+    coarse to show."""
+    plain = nn.Linear(16, 16)
+    hooked = copy.deepcopy(plain)
+    layer = LoraLayer(down=torch.zeros(1, 16), up=torch.zeros(16, 1), up_bias=None, alpha=1.0)
+    adapter = Adapter(name="bench", target="transformer", layers={"": layer}, digest="bench")
+    with torch.no_grad(), use_adapters(SimpleNamespace(pipe=SimpleNamespace(transformer=hooked)),
+                                       [(adapter, 1.0)]):
+        pass  # installs the hook
+    x = torch.randn(1, 16)
+    best = {}
+    with torch.no_grad():
+        for name, linear in (("plain", plain), ("hooked", hooked)) * 3:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                linear(x)
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+    return (best["hooked"] - best["plain"]) / calls * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=1024)
@@ -99,6 +121,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
+    print(json.dumps({"idle_hook_us_per_linear_call": round(hook_call_us(), 2)}), flush=True)
     for tokens in (int(t) for t in args.tokens.split(",")):
         print(json.dumps(measure(args.width, args.blocks, tokens, args.rank, args.reps)),
               flush=True)

@@ -28,7 +28,7 @@ from multirank import run_ranks
 from test_gathers_per_step import _record_steps
 from test_pipeline_diffusers import REQUESTS, WAN_ATOL
 
-from runtime.adapters import LOADERS, load_adapter, named_transformers
+from runtime.adapters import LOADERS, load_adapter, named_transformers, remove_adapter_hooks
 from runtime.models.synthetic import SyntheticSpec, build_components, make_checkpoint
 from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.minimax_h3 import t2v_blocks
@@ -124,6 +124,8 @@ def test_wan_with_adapters_equals_diffusers_load_lora_weights_bit_for_bit(wan, w
         frames = render(pipe, wan, weights)
         assert _linears_hooked(pipe) == 26  # A adapts every Linear of the tiny Wan
         again = pipe.generate(REQUEST).numpy()  # the next job, without adapters
+        assert remove_adapter_hooks(pipe) == 26 and _linears_hooked(pipe) == 0
+        assert np.array_equal(render(pipe, wan, weights), frames)  # hooked again on use
     finally:
         pipe.close()
     np.testing.assert_array_equal(frames, reference_frames(wan, weights))
