@@ -1,5 +1,6 @@
-"""The API server's logging: uvicorn's own configuration with `RedactSecrets` on its handlers, so
-no access-log line carries an API key or a signing secret, whatever a client put in its URL.
+"""The API server's logging: kiln's one configuration (`common.logs`) with `RedactSecrets` on its
+handlers, so no line, uvicorn's access log included, carries an API key or a signing secret,
+whatever a client put in its URL.
 
 The API takes keys only from the ``Authorization`` header; a client that puts one in a query
 string anyway (an old dashboard, a hand-written ``curl``) is refused, and the line that records
@@ -8,10 +9,11 @@ the refusal must not be where the key ends up.
 
 from __future__ import annotations
 
-import copy
 import logging
 import re
 from typing import Any
+
+from common import logs
 
 # A kiln API key (storage.users: "kiln_", a 12-character prefix, the secret part). The prefix
 # is kept (it names the key in `kiln keys list`), the rest is not.
@@ -47,13 +49,10 @@ class RedactSecrets(logging.Filter):
         return True
 
 
-def log_config() -> dict[str, Any]:
-    """uvicorn's default logging configuration with `RedactSecrets` on every handler (the
-    access log's and the server's own)."""
-    # Here, not at the top: only `kiln api` needs uvicorn's configuration.
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
+def log_config(level: str = "INFO", fmt: str = "text") -> dict[str, Any]:
+    """The API server's logging (`common.logs.config`: kiln's lines and uvicorn's, access log
+    included, through one handler) with `RedactSecrets` on every handler."""
+    config = logs.config(level, fmt, process="api")
     config["filters"] = {"redact_secrets": {"()": RedactSecrets}}
     for handler in config["handlers"].values():
         handler["filters"] = ["redact_secrets"]

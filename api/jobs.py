@@ -29,7 +29,7 @@ from api.schemas import (
     VideoPublic,
     metadata_bytes,
 )
-from common import admission, netguard
+from common import admission, logs, netguard
 from common.families import GENERIC, family_of
 from common.render import RequestDefaults
 from common.settings import Settings
@@ -253,6 +253,8 @@ def submit(
         room.counted(user.id, created.queued_before, s.max_queued_jobs_per_user)
     if not created.created:
         return created, None
+    log.info("submitted by %s: model %s, %d steps", user.name, created.job.model,
+             created.job.num_inference_steps, extra=logs.fields(job=created.job.id))
     try:
         return created, queue_index.add_one(redis, s.redis_prefix, created.job)
     except RedisError:

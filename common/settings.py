@@ -49,6 +49,12 @@ class Settings(BaseSettings):
     # (and tests can clean up exactly their own keys).
     redis_prefix: str = "kiln:"
 
+    # Every process's log lines (common.logs): text (timestamp, level, logger, rank, job,
+    # attempt, message) or json (one object a line, for a log shipper), at this level and up.
+    # `kiln --log-format/--log-level` set them for the command and every process it starts.
+    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
     # The deployment's own state files: Celery beat's schedule; under `kiln up`, its private
     # Redis, the admin key and logs/ (one file per child).
     data_dir: Path = Path("./var")

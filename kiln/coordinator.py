@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from common import logs
 from kiln.config import WorkerConfig
 from kiln.group_io import Claimed, GroupIO
 from runtime.rank_loop import Ended, Progress, RankMessage, RankReport, Rendered, StepPlan, Ticket
@@ -46,14 +47,13 @@ from storage.workers import GroupReport
 log = logging.getLogger(__name__)
 
 
-def job_log(event: str, *, job: str, attempt: int | None = None, rank: int | None = None,
+def job_log(event: str, *, job: str, attempt: int | None = None, replica: int | None = None,
             **fields: object) -> None:
-    """One line per job event, ``key=value`` after the event's name, so that one job's life can
-    be followed with grep: ``event=claimed job=... attempt=1 rank=0 group=...``."""
-    parts = [f"event={event}", f"job={job}", f"attempt={attempt}", f"rank={rank}"]
-    parts += [f"{k}={v if isinstance(v, int | float) or v is None else repr(str(v))}"
-              for k, v in fields.items()]
-    log.info(" ".join(parts))
+    """One line per job event: the event's name, with the job, its attempt, the replica it is
+    on (named by its first rank) and the event's own figures as the line's fields
+    (`common.logs`), so that one job's life can be followed by its id:
+    ``... rank=0 job=j1 attempt=1 claimed replica=1 group=...``."""
+    log.info(event, extra=logs.fields(job=job, attempt=attempt, replica=replica, **fields))
 
 
 def new_group_id() -> str:
@@ -357,7 +357,7 @@ class Coordinator:
             if on_replica is not None and h.suspended_by is None:
                 h.suspended_by = on_replica
                 job_log("preempted", job=job_id, attempt=self.attempt_numbers.get(
-                    h.ticket.attempt_token), rank=h.replica, by=on_replica)
+                    h.ticket.attempt_token), replica=h.replica, by=on_replica)
                 self._note("preempted", h, by_job=on_replica, step=h.steps_done)
 
     def _note(self, event: str, h: Holding, **fields: Any) -> None:
@@ -446,7 +446,7 @@ class Coordinator:
             seconds_per_step=costs.step_seconds(c.model, c.tokens),
             steps_left=request.num_inference_steps, order=self._claims_made)
         self.attempt_numbers[c.ticket.attempt_token] = c.attempt
-        job_log("claimed", job=c.ticket.job_id, attempt=c.attempt, rank=c.replica,
+        job_log("claimed", job=c.ticket.job_id, attempt=c.attempt, replica=c.replica,
                 group=self.group_id, job_class=c.job_class)
 
     # Update: what the ranks reported for the turn.
@@ -514,7 +514,7 @@ class Coordinator:
         if st.resumed_from_step is not None and not h.resume_noted:
             h.resume_noted = True
             job_log("resumed", job=h.ticket.job_id, attempt=self.attempt_numbers.get(
-                h.ticket.attempt_token), rank=h.replica, step=st.resumed_from_step)
+                h.ticket.attempt_token), replica=h.replica, step=st.resumed_from_step)
             self._note("resumed", h, step=st.resumed_from_step)
 
     def _note_writers(self, ranks: list[RankReport]) -> None:
@@ -556,7 +556,7 @@ class Coordinator:
         self.unfinished.pop(st.job_id, None)
         self.io.forget(st.job_id)
         attempt = self.attempt_numbers.pop(st.attempt_token, None)
-        job_log("ended", job=st.job_id, attempt=attempt, rank=st.rank,
+        job_log("ended", job=st.job_id, attempt=attempt, replica=st.rank,
                 outcome=st.outcome, state=state or "not current", error=st.error)
         if state == JobState.SUCCEEDED:
             # The batcher learns the job's real cost: its rank's own step time, not the wall
@@ -648,7 +648,7 @@ class Coordinator:
                 if a.token in held:
                     continue
                 self.io.finish(a.job_id, a.token, lost)
-                job_log("handed_back", job=a.job_id, attempt=a.attempt, rank=a.rank,
+                job_log("handed_back", job=a.job_id, attempt=a.attempt, replica=a.rank,
                         charged=False, why="its claim's answer was lost in an outage")
         except Exception as exc:
             self._outage(exc)

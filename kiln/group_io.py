@@ -183,6 +183,7 @@ class ServerIO:
             claimed = Claimed(replica=replica, job_class=job.class_, model=job.model,
                               tokens=job_tokens(job), attempt=job.attempts,
                               ticket=Ticket(job_id=job.id, attempt_token=claim.attempt_token,
+                                            attempt=job.attempts,
                                             request=request, audio=job.audio is not False))
             out.append(claimed)
             self.started(job)

@@ -28,15 +28,16 @@ from datetime import datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from celery import Celery, Task
+from celery import Celery, Task, signals
 from pydantic import SecretStr
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import batches as batch_views
 from api.schemas import BatchReport
-from common import netguard
+from common import logs, netguard
 from common.settings import Settings, get_settings
 from kiln import signing, webhook_client
 from kiln.webhook_client import Posted
@@ -144,6 +145,15 @@ def _forget_connections() -> None:
 
 
 configure(get_settings())
+
+
+@signals.setup_logging.connect
+def _setup_logging(loglevel: int | None = None, **_: Any) -> None:
+    """Celery's worker and beat log through kiln's configuration (`common.logs`), at the level
+    Celery was given, instead of putting handlers of their own on the root logger."""
+    settings = get_settings()
+    level = logging.getLevelName(loglevel) if loglevel else settings.log_level
+    logs.configure(level, settings.log_format, process="celery")
 
 
 # ---- the work, as plain functions ---------------------------------------------------------------
@@ -309,6 +319,13 @@ def _hold_seconds(s: Settings) -> float:
     return 3 * s.webhook_timeout_seconds + 30
 
 
+def _destination(url: str) -> str:
+    """A webhook URL as the log names it: its host and port only (its path or query may carry
+    the receiver's own token)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
+
+
 def _outcome(posted: Posted, retry_in: float | None) -> str:
     """The delivery log's word for one attempt."""
     if posted.error is None:
@@ -347,10 +364,14 @@ def _attempt(ctx: Context, session: Session, *, url: str, owner_id: int, msg_id:
     state = record(posted, None if retry_in is None else at + timedelta(seconds=retry_in), at)
     _log(session, job_id=job_id, batch_id=batch_id, event=kind, msg_id=msg_id, attempt=number,
          status=posted.status, error=posted.error, outcome=_outcome(posted, retry_in), at=at)
+    about = logs.fields(job=job_id, batch=batch_id)
     if posted.error is None:
+        log.info("webhook %s delivered to %s (HTTP %s, attempt %d)", kind, _destination(url),
+                 posted.status, number, extra=about)
         return Delivery(state="delivered", attempt=number, status=posted.status)
     log.warning("webhook %s for %s, attempt %d: %s%s", kind, owner, number, posted.error,
-                "; giving up" if retry_in is None else f"; retrying in {retry_in:.0f} s")
+                "; giving up" if retry_in is None else f"; retrying in {retry_in:.0f} s",
+                extra=about)
     if state is None:  # a later attempt took over while this one overran its hold
         return Delivery(state="skipped", attempt=number, status=posted.status,
                         error=posted.error)
@@ -420,18 +441,25 @@ def deliver_live(ctx: Context, url: str, msg_id: str, kind: str, body: bytes, *,
     of the owner of the job it is about (``data.id``). No outbox row holds it: the task carries
     the attempt count and the wait (``retry_in``) to the next one."""
     settings = ctx.settings
+    job_id = json.loads(body)["data"]["id"]
+    about = logs.fields(job=job_id)
     with ctx.sessions() as session:
-        owner = webhook_secrets.ensure_for_job(session, json.loads(body)["data"]["id"])
+        owner = webhook_secrets.ensure_for_job(session, job_id)
     if owner is None:  # the job is gone with its user: there is no one to sign for
-        log.warning("webhook event %s: its job is gone; not sent", msg_id)
+        log.warning("webhook event %s: its job is gone; not sent", msg_id, extra=about)
         return Delivery(state="failed", attempt=attempt, error="the job is gone")
     posted = _post(settings, url, secrets=signing_secrets(settings, owner), msg_id=msg_id,
                    kind=kind, body=body, attempt=attempt, delivery_id=msg_id)
     if posted.error is None:
+        # A job.progress event goes out every step or so: its line only at DEBUG.
+        log.log(logging.DEBUG if kind == "job.progress" else logging.INFO,
+                "webhook %s delivered to %s (HTTP %s, attempt %d)", kind, _destination(url),
+                posted.status, attempt, extra=about)
         return Delivery(state="delivered", attempt=attempt, status=posted.status)
     retry_in = _retry_in(settings, attempt, posted)
     log.warning("webhook event %s, attempt %d: %s%s", msg_id, attempt, posted.error,
-                "; giving up" if retry_in is None else f"; retrying in {retry_in:.0f} s")
+                "; giving up" if retry_in is None else f"; retrying in {retry_in:.0f} s",
+                extra=about)
     return Delivery(state="failed" if retry_in is None else "pending", attempt=attempt,
                     status=posted.status, retry_in=retry_in, error=posted.error)
 

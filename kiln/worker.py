@@ -27,6 +27,7 @@ from typing import Any
 from redis import Redis
 from sqlalchemy.orm import Session
 
+from common import logs
 from common.families import family_of
 from common.settings import Settings
 from kiln.config import WorkerConfig
@@ -91,6 +92,9 @@ class StoreCheckpoints:
 
 def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> None:
     """Everything one rank does, from loading the model to leaving the group."""
+    # A rank is a process of its own (spawned, or torchrun's) that inherits no logging: every
+    # line of it carries its rank.
+    logs.configure(settings.log_level, settings.log_format, process="worker", rank=ctx.rank)
     platform = get_platform(device_for(config.device))
     if ctx.world % config.sp:
         raise ValueError(f"--sp {config.sp} does not divide the group's {ctx.world} ranks")
@@ -163,8 +167,7 @@ def run_worker(settings: Settings, config: WorkerConfig,
             run_ranks(layout.world, serve_rank, settings, group, device=config.device,
                       on_started=on_started, timeout_s=None, graceful_stop=True,
                       stop_timeout_s=config.drain_seconds + STOP_GRACE_SECONDS,
-                      collective_timeout_s=config.collective_timeout_seconds,
-                      log_format="[rank {rank}] %(levelname)s %(message)s")
+                      collective_timeout_s=config.collective_timeout_seconds)
             return 0
         except StopTimeout as exc:
             # A step ran past the drain: its job was handed back at the deadline already.
@@ -288,8 +291,8 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
                 state = finish_attempt(session, redis, settings.redis_prefix,  # type: ignore[arg-type]
                                        job.id, job.attempt_token, ending,
                                        notify=_enqueue_job_finished)
-                job_log("recovered", job=job.id, attempt=attempt, rank=rank, state=state,
-                        charged=ending.charged, error=ending.error)
+                job_log("recovered", job=job.id, attempt=attempt, replica=rank,
+                        state=state, charged=ending.charged, error=ending.error)
             workers.mark_stopped(session, group_id, reason=str(failure).splitlines()[0][:500])
 
     # A server that is out is waited for (each try ends only the attempts still running, by

@@ -13,7 +13,6 @@ the model cannot render) comes back as itself, without a traceback; anything els
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import signal
@@ -140,7 +139,7 @@ class _Never:
 
 
 def _rank_entry(rank: int, world: int, port: int, device: str, threads: int,
-                log_format: str | None, graceful_stop: bool, collective_timeout_s: float | None,
+                graceful_stop: bool, collective_timeout_s: float | None,
                 fn: Callable[..., Any], args: tuple[Any, ...], messages: Any,
                 stop_event: Any) -> None:
     stop = _Stop(stop_event)
@@ -153,8 +152,6 @@ def _rank_entry(rank: int, world: int, port: int, device: str, threads: int,
     die_with_parent()  # a rank whose launcher died must not go on (claiming jobs, holding ports)
     if device == "cpu":
         torch.set_num_threads(threads)
-    if log_format is not None:
-        logging.basicConfig(level=logging.INFO, format=log_format.format(rank=rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     try:
         init_process_group(rank, world, device, collective_timeout_s)
@@ -177,8 +174,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
               on_started: Callable[[], None] | None = None,
               timeout_s: float | None = 3600.0, threads: int | None = None,
               graceful_stop: bool = False, stop_timeout_s: float | None = None,
-              collective_timeout_s: float | None = None,
-              log_format: str | None = None) -> list[Any]:
+              collective_timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world`` spawned ranks; their results in rank order.
 
     ``fn`` must be importable by name; ``ctx.messages.put((kind, rank, *payload))`` reaches
@@ -190,8 +186,8 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
     rank's ``ctx.stop`` (the ranks finish what they are doing and return); a second signal kills
     them, and so does ``stop_timeout_s`` passing after the first (`StopTimeout`). Without it,
     Ctrl-C raises ``KeyboardInterrupt`` here and kills the ranks. ``collective_timeout_s``:
-    bounds every collective on the ranks (a hung rank makes the others raise). ``log_format``:
-    configure logging on each rank (``{rank}`` is replaced by its rank).
+    bounds every collective on the ranks (a hung rank makes the others raise). A rank inherits
+    no logging configuration: ``fn`` configures its own (`common.logs`).
     """
     ctx = torch_mp.get_context("spawn")
     messages = ctx.Queue()
@@ -199,7 +195,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, device: str = "cpu
     port = free_port()
     threads = rank_threads(world) if threads is None else threads
     procs = [ctx.Process(target=_rank_entry,
-                         args=(r, world, port, device, threads, log_format, graceful_stop,
+                         args=(r, world, port, device, threads, graceful_stop,
                                collective_timeout_s, fn, args, messages, stop))
              for r in range(world)]
     for p in procs:

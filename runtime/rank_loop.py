@@ -64,6 +64,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common import logs
 from common.procs import cgroup_memory_bytes
 from runtime import resume
 from runtime.mailbox import Mailbox, open_mailbox
@@ -96,6 +97,10 @@ WRITE_WAIT_SECONDS = 1.0
 # (on the job's progress events), and a fast job (kiln-tiny: 16 ms a step) would otherwise put a
 # PNG into the store every few milliseconds.
 PREVIEW_MIN_SECONDS = 0.5
+# A replica's leader logs its job's first and last steps, and one step at least this often
+# between them: every step of a long one (Wan: tens of seconds a step), a few of a fast one
+# (kiln-tiny: milliseconds).
+STEP_LOG_SECONDS = 10.0
 # On the way out, how long a rank waits for a try of its writer thread that is under way (the
 # thread is a daemon: one that hangs does not keep the process).
 CLOSE_WAIT_SECONDS = 5.0
@@ -109,6 +114,7 @@ class Ticket:
 
     job_id: str
     attempt_token: str
+    attempt: int = 0  # its number (1 for a first claim), for the log lines
     request: VideoRequest
     audio: bool = True
 
@@ -182,6 +188,7 @@ class Ended:
     rank: int
     job_id: str
     attempt_token: str
+    attempt: int = 0  # its number (the ticket's), for the log lines
     outcome: str  # "succeeded" | "failed" | "cancelled"
     step: int = 0
     num_inference_steps: int = 0
@@ -229,6 +236,7 @@ class _Job:
     resumed_from_step: int | None = None
     checkpointed_step: int = 0  # the step of its newest checkpoint (or where it started)
     checkpointed_at: float = 0.0  # monotonic
+    step_logged_at: float = -float("inf")  # monotonic: when a line last logged its step
 
 
 class Checkpoints(Protocol):
@@ -272,6 +280,11 @@ class GroupDriver(Protocol):
     def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
         """The loop is over: normally (hand back what is still running), or ``failed`` (an
         exception, often a peer lost: whoever restarts the group decides what to charge)."""
+
+
+def _about(ticket: Ticket) -> dict[str, Any]:
+    """``extra=`` for a line about ``ticket``'s job: its id and attempt as the line's fields."""
+    return logs.fields(job=ticket.job_id, attempt=ticket.attempt or None)
 
 
 class RankLoop:
@@ -380,7 +393,8 @@ class RankLoop:
             try:
                 self.jobs.append(self._take(ticket))
             except Exception as exc:  # a request the model cannot run: fail this job only
-                log.exception("rank %d: preparing job %s failed", self.rank, ticket.job_id)
+                log.exception("rank %d: preparing job %s failed", self.rank, ticket.job_id,
+                              extra=_about(ticket))
                 ended.append(Ended(rank=self.rank, job_id=ticket.job_id,
                                    attempt_token=ticket.attempt_token, outcome="failed",
                                    error=f"could not start: {exc}"))
@@ -424,10 +438,14 @@ class RankLoop:
                             "step 0", self.rank, ticket.job_id, exc)
             else:
                 log.info("rank %d: job %s resumes from step %d of %d", self.rank,
-                         ticket.job_id, state.step_index, state.num_inference_steps)
+                         ticket.job_id, state.step_index, state.num_inference_steps,
+                         extra=_about(ticket))
                 return _Job(ticket, state, resumed_from_step=state.step_index,
                             checkpointed_step=state.step_index, checkpointed_at=time.monotonic())
-        return _Job(ticket, self.pipe.prepare(ticket.request), checkpointed_at=time.monotonic())
+        job = _Job(ticket, self.pipe.prepare(ticket.request), checkpointed_at=time.monotonic())
+        if self.leads:
+            log.info("taken: %d steps", ticket.request.num_inference_steps, extra=_about(ticket))
+        return job
 
     def step(self, active: Any = None) -> Rendered | Ended | None:
         """One lock-step turn: a step of the job this rank computes (or an idle one: it holds
@@ -443,13 +461,16 @@ class RankLoop:
         except Exception as exc:
             # pipe.step has already issued the gathers this step did not, so the other ranks'
             # forwards complete; only this job fails.
-            log.exception("rank %d: step failed for job %s", self.rank, job.ticket.job_id)
+            log.exception("rank %d: step failed for job %s", self.rank, job.ticket.job_id,
+                          extra=_about(job.ticket))
             ended = self._end(job, outcome="failed", error=f"render failed: {exc}",
                               keep_checkpoint=True)
             self._failed_steps.append(job.ticket.job_id)
             return ended if self.leads else None
         job.compute_seconds += time.perf_counter() - started
         state = job.state
+        if self.leads:
+            self._log_step(job)
         if not state.done:
             if (self.preview_every_steps
                     and state.step_index % self.preview_every_steps == 0
@@ -470,7 +491,8 @@ class RankLoop:
                 # (the clip's last frame, which the render started from).
                 frames = np.concatenate([conditioning.prefix.numpy(), frames[1:]])
         except Exception as exc:
-            log.exception("rank %d: decoding job %s failed", self.rank, job.ticket.job_id)
+            log.exception("rank %d: decoding job %s failed", self.rank, job.ticket.job_id,
+                          extra=_about(job.ticket))
             return self._end(job, outcome="failed", error=f"decoding the video failed: {exc}",
                              retryable=True)
         fps = job.ticket.request.fps
@@ -481,6 +503,15 @@ class RankLoop:
         return Rendered(rank=self.rank, job_id=final.job_id, attempt_token=final.attempt_token,
                         num_inference_steps=final.num_inference_steps,
                         compute_seconds=final.compute_seconds)
+
+    def _log_step(self, job: _Job) -> None:
+        """A line for the step ``job`` has just taken, if it is its first here or its last, or
+        STEP_LOG_SECONDS have passed since the last such line."""
+        state, now = job.state, time.monotonic()
+        if state.done or now - job.step_logged_at >= STEP_LOG_SECONDS:
+            job.step_logged_at = now
+            log.info("step %d of %d (%.3g s computed)", state.step_index, state.num_inference_steps,
+                     job.compute_seconds, extra=_about(job.ticket))
 
     def written(self, wait: float = 0.0) -> list[Ended]:
         """Final statuses of the jobs whose files were stored (or could not be written) since
@@ -517,6 +548,7 @@ class RankLoop:
                 held = self._announced()
                 assert held is not None
             job_id = held.final.job_id
+            about = logs.fields(job=job_id, attempt=held.final.attempt or None)
             try:
                 sound = () if held.audio is None else (held.audio,)
                 video, thumb = self.write(held.frames, job_id, held.fps, *sound)
@@ -534,13 +566,14 @@ class RankLoop:
                 continue
             except Exception as exc:  # these frames cannot be written: the job fails
                 log.error("rank %d: writing outputs of job %s failed", self.rank, job_id,
-                          exc_info=exc)
+                          exc_info=exc, extra=about)
                 result = replace(held.final, outcome="failed", retryable=True,
                                  error=f"writing the video failed: {exc}")
             else:
                 result = replace(held.final, video_key=video, thumbnail_key=thumb,
                                  has_audio=held.audio is not None)
                 delay = 0.0
+                log.info("stored: %s, %s", video, thumb, extra=about)
             with self._writes:
                 current = held in self._held
                 if current:
@@ -638,7 +671,8 @@ class RankLoop:
         next attempt) its checkpoint are deleted by their threads."""
         s = job.state
         status = Ended(rank=self.rank, job_id=job.ticket.job_id,
-                       attempt_token=job.ticket.attempt_token, step=s.step_index,
+                       attempt_token=job.ticket.attempt_token, attempt=job.ticket.attempt,
+                       step=s.step_index,
                        num_inference_steps=s.num_inference_steps,
                        compute_seconds=job.compute_seconds, **kwargs)
         job_id = job.ticket.job_id

@@ -270,14 +270,15 @@ def up_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def kiln_up(tmp_path: Path, *args: str, celery: bool = False) -> Iterator[tuple[str, str]]:
-    """``kiln up *args`` in ``tmp_path`` on a free API port, in a process group of its own,
-    with ``--no-celery`` unless ``celery``; yields (the API's base URL, the admin key) once the
-    API answers, and stops it on leaving."""
+def kiln_up(tmp_path: Path, *args: str, celery: bool = False,
+            kiln_options: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
+    """``kiln *kiln_options up *args`` in ``tmp_path`` on a free API port, in a process group of
+    its own, with ``--no-celery`` unless ``celery``; yields (the API's base URL, the admin key)
+    once the API answers, and stops it on leaving."""
     port = free_port()
     env = {**up_env(), "KILN_API_PORT": str(port)}
     extra = [] if celery else ["--no-celery"]
-    proc = subprocess.Popen([KILN, "up", *args, *extra], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([KILN, *kiln_options, "up", *args, *extra], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -202,12 +202,12 @@ def test_a_killed_worker_group_and_celery_come_back_while_the_api_answers(
         assert probe.asked > 20 and not probe.failures, probe.failures
 
         # What kiln up prints is its own; the children's output is in their files.
-        assert "GET /healthz" not in up.output and "[rank 0]" not in up.output
+        assert "GET /healthz" not in up.output and " rank=0 " not in up.output
         assert "celery@" not in up.output
         assert "logs      var/logs/ (redis.log, api.log, worker.log, celery.log" in up.output
         assert '"GET /healthz HTTP/1.1" 200' in up.log("api")
         assert up.log("worker").count("----- kiln up") >= 3  # two starts and an exit
-        assert "[rank 0]" in up.log("worker")
+        assert " rank=0 " in up.log("worker")
         assert "Ready to accept connections" in up.log("redis")
         children = [up.child(name) for name in ("redis", "api", "worker", "celery")]
     finally:

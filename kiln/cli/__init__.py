@@ -6,8 +6,9 @@ adds them all to the root app, so no command module imports the app that include
 
 from __future__ import annotations
 
+import os
 from importlib.metadata import version
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -29,8 +30,19 @@ def main(
         "--version", callback=_print_version, is_eager=True,
         help="Print the installed version (pyproject.toml's, from the package metadata) and "
              "exit.")] = False,
+    log_format: Annotated[Literal["text", "json"] | None, typer.Option(
+        help="Log lines as text or JSON (one object a line, for a log shipper); default: "
+             "KILN_LOG_FORMAT, else text.", show_default=False)] = None,
+    log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"] | None, typer.Option(
+        help="The least level logged; default: KILN_LOG_LEVEL, else INFO.",
+        show_default=False)] = None,
 ) -> None:
-    pass
+    # Into the environment, where the settings read them: `kiln up`'s children and a worker's
+    # ranks are processes of their own, and inherit it.
+    if log_format is not None:
+        os.environ["KILN_LOG_FORMAT"] = log_format
+    if log_level is not None:
+        os.environ["KILN_LOG_LEVEL"] = log_level
 
 
 app.add_typer(client.app)  # submit, status, cancel, celery

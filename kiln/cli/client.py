@@ -290,7 +290,9 @@ def celery_(
                                  "given). Run exactly one beat per deployment.",
         show_default=False)] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 2,
-    loglevel: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING, ...")] = "INFO",
+    loglevel: Annotated[str | None, typer.Option(
+        help="DEBUG, INFO, WARNING, ... (default: KILN_LOG_LEVEL, else INFO).",
+        show_default=False)] = None,
 ) -> None:
     """Run the side work: webhooks, the lease reaper, Redis reconciliation, retention.
 
@@ -310,6 +312,8 @@ def celery_(
     from kiln.tasks import beat_schedule_path, configure
 
     configure(settings)
+    # Celery's own option, its logging being kiln's (kiln.tasks: the setup_logging signal).
+    loglevel = loglevel or settings.log_level
     if role == "beat":
         argv = ["beat", f"--loglevel={loglevel}"]
     else:

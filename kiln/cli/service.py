@@ -169,5 +169,6 @@ def api(
     uvicorn.run(
         "api.app:app_from_env", factory=True, host=host or settings.api_host,
         port=port or settings.api_port, workers=workers, proxy_headers=True,
-        timeout_graceful_shutdown=settings.api_shutdown_grace_seconds, log_config=log_config(),
+        timeout_graceful_shutdown=settings.api_shutdown_grace_seconds,
+        log_config=log_config(settings.log_level, settings.log_format),
     )

@@ -29,6 +29,7 @@ from typing import IO, Annotated
 import httpx
 import typer
 
+from common.logs import configure as configure_logging
 from common.procs import die_with_parent, free_port
 from common.settings import Settings
 from kiln.cli.options import (
@@ -410,6 +411,9 @@ def up(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_interrupt)
     settings = Settings(environment=env["KILN_ENVIRONMENT"])
+    # Its own lines (the migrations'), in the children's format: they read the log settings
+    # from ``env``, where `kiln --log-format/--log-level` put them.
+    configure_logging(settings.log_level, settings.log_format, process="up")
     data_dir = settings.data_dir
     logs = data_dir / "logs"
 

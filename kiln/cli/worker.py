@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated
 
 import typer
 
+from common import logs
 from common.settings import get_settings
 from kiln.cli.options import (
     Device,
@@ -62,6 +62,8 @@ def worker(
                           device=device, use_allgather=allgather,
                           drain_seconds=drain_seconds,
                           collective_timeout_seconds=collective_timeout_seconds)
-    # The launcher's own lines (restarts, the attempts it ends) beside the ranks' "[rank N]".
-    logging.basicConfig(level=logging.INFO, format="[launcher] %(levelname)s %(message)s")
-    raise typer.Exit(run_worker(get_settings(), config))
+    settings = get_settings()
+    # The launcher's own lines (restarts, the attempts it ends); each rank configures its own,
+    # with its rank (`kiln.worker.serve_rank`).
+    logs.configure(settings.log_level, settings.log_format, process="worker")
+    raise typer.Exit(run_worker(settings, config))
