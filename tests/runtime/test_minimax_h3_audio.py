@@ -1,12 +1,14 @@
 """MiniMax-H3's soundtrack: kiln decodes the audio latents it denoised with the directory's audio
 VAE exactly as diffusers' after-denoise step and ``decode.audio`` block do (CPU, fp32, bit for
-bit), and a directory without an audio VAE renders the video alone."""
+bit), a local render writes it into its MP4, and a directory without an audio VAE renders the
+video alone."""
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
 
+import av
 import pytest
 import torch
 from diffusers.modular_pipelines import MiniMaxH3Blocks, SequentialPipelineBlocks
@@ -14,6 +16,8 @@ from diffusers.modular_pipelines import MiniMaxH3Blocks, SequentialPipelineBlock
 from runtime.models.synthetic import SyntheticSpec, build_components, make_checkpoint
 from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.registry import load_diffusers
+from runtime.render import render
+from storage.video import read_audio
 
 SPEC = SyntheticSpec(family="minimax-h3")
 # 124 frames (5 s at 24 fps): 207 audio latents a channel, 165,600 samples.
@@ -71,3 +75,13 @@ def test_a_directory_without_an_audio_vae_renders_the_video_alone(model_dir, tmp
         assert pipe.decode_audio(state) is None
     finally:
         pipe.close()
+
+
+def test_a_local_render_writes_the_soundtrack_into_its_mp4(model_dir, tmp_path):
+    [report] = render(str(model_dir), [REQUEST], tmp_path / "out.mp4")
+    with av.open(report.out) as c:
+        streams = {s.type: (s.codec_context.name, float(s.duration * s.time_base))
+                   for s in c.streams}
+    assert streams["video"][0] == "h264" and streams["audio"][0] == "aac"
+    assert abs(streams["video"][1] - streams["audio"][1]) < 1 / REQUEST.fps
+    assert read_audio(report.out).samples.shape == (2, 124 * 32_000 // 24)
