@@ -19,6 +19,9 @@ class WorkerConfig:
     goal: str | None = None
     # Device memory for resident blocks: "auto", None (stream all) or bytes (runtime.budget).
     device_budget: DeviceBudget = AUTO
+    # The dtype the group keeps and moves its streamed blocks in (runtime.budget's
+    # WEIGHTS_DTYPES): the group's choice, never a job's.
+    weights_dtype: str = "checkpoint"
     # --layout auto: plan dp, sp and the mode for this many ranks (`plan_layout`); the plan it
     # chose (the layout and the runner-up, predicted) is reported to /v1/workers.
     auto_world: int | None = None

@@ -104,7 +104,8 @@ def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> No
                          use_allgather=config.use_allgather,
                          sequence=open_sequence(layout, platform.backend),
                          device_budget=config.device_budget,
-                         max_tokens=settings.max_job_tokens)
+                         max_tokens=settings.max_job_tokens,
+                         weights_dtype=config.weights_dtype)
     store = make_store(settings)
     checkpoints = (settings.checkpoint_every_steps > 0 or settings.checkpoint_every_seconds > 0)
     loop = RankLoop(ctx.rank, pipe, store_writer(store), platform,

@@ -20,6 +20,11 @@ from typing import Any
 
 AUTO = "auto"
 
+# The dtypes a worker group may keep and move its streamed blocks in (``apply_dlo``'s
+# ``weights_dtype``; ``runtime.dlo.cast`` says which tensor becomes what). ``checkpoint``, the
+# default, moves them as the checkpoint stores them.
+WEIGHTS_DTYPES = ("checkpoint", "bf16", "fp8")
+
 # A device budget as the commands take it: "auto", "none", or bytes.
 DeviceBudget = int | str | None
 

@@ -49,16 +49,19 @@ class RankReport:
 def load_pipeline(model: str, *, group: Any = None, device: Any = None,
                   use_allgather: bool = True, sequence: SequenceParallel | None = None,
                   device_budget: DeviceBudget = AUTO,
-                  max_tokens: int | None = None) -> VideoPipeline:
+                  max_tokens: int | None = None,
+                  weights_dtype: str = "checkpoint") -> VideoPipeline:
     """``kiln-tiny`` or a local diffusers-format model directory, transformer under DLO, in the
     pipeline of its family (``common.families``); ``sequence``: this rank's replica split
     (``runtime.sequence.open_sequence``); ``device_budget``: device memory for resident blocks
     (``runtime.budget``), with activations reserved for the largest job the deployment admits
-    (``max_tokens``; default: the family's most)."""
+    (``max_tokens``; default: the family's most); ``weights_dtype``: the dtype the streamed
+    blocks are kept and moved in (``runtime.budget.WEIGHTS_DTYPES``, ``apply_dlo``)."""
     if family_of(model) is TINY:
         return TinyPipeline.load(group=group, device=device, use_allgather=use_allgather,
                                  sequence=sequence, device_budget=device_budget,
-                                 max_tokens=max_tokens or TINY.max_tokens)
+                                 max_tokens=max_tokens or TINY.max_tokens,
+                                 weights_dtype=weights_dtype)
     path = Path(model)
     if model_index_path(model) is None:
         raise ValueError(f"--model must be {TINY_MODEL!r} or a diffusers model directory (with a "
@@ -68,7 +71,8 @@ def load_pipeline(model: str, *, group: Any = None, device: Any = None,
 
     # The loop its family names, or a ValueError saying which pipelines kiln drives.
     return load_diffusers(path, group=group, device=device, use_allgather=use_allgather,
-                          sequence=sequence, device_budget=device_budget, max_tokens=max_tokens)
+                          sequence=sequence, device_budget=device_budget, max_tokens=max_tokens,
+                          weights_dtype=weights_dtype)
 
 
 def weight_bytes(model: str) -> int:
@@ -176,16 +180,19 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
 
 
 def _load_on_rank(model: str, use_allgather: bool, layout: Layout,
-                  device_budget: DeviceBudget = AUTO) -> VideoPipeline:
+                  device_budget: DeviceBudget = AUTO,
+                  weights_dtype: str = "checkpoint") -> VideoPipeline:
     # gloo ranks; every rank opens the replicas' groups in step, before DLO opens its own.
     return load_pipeline(model, device="cpu", use_allgather=use_allgather,
-                         sequence=open_sequence(layout, "gloo"), device_budget=device_budget)
+                         sequence=open_sequence(layout, "gloo"), device_budget=device_budget,
+                         weights_dtype=weights_dtype)
 
 
 def _render_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest], out: str,
-                    use_allgather: bool, layout: Layout, device_budget: DeviceBudget) -> RankReport:
+                    use_allgather: bool, layout: Layout, device_budget: DeviceBudget,
+                    weights_dtype: str = "checkpoint") -> RankReport:
     started = time.perf_counter()
-    pipe = _load_on_rank(model, use_allgather, layout, device_budget)
+    pipe = _load_on_rank(model, use_allgather, layout, device_budget, weights_dtype)
     try:
         step_cb = ((lambda i, n: ctx.messages.put(("step", ctx.rank, i, n)))
                    if ctx.rank == 0 else None)
@@ -239,11 +246,13 @@ def generate_in_rounds(model: str, requests: list[VideoRequest], dp: int, *,
 def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str], *,
            dp: int = 1, sp: int = 1, use_allgather: bool = True,
            device_budget: DeviceBudget = AUTO,
+           weights_dtype: str = "checkpoint",
            on_step: Callable[[int, int], None] | None = None,
            on_sample: Callable[[int], None] | None = None,
            timeout_s: float = 3600.0) -> list[RankReport]:
     """Render ``requests`` (at most ``dp``) on ``dp`` replicas of ``sp`` ranks each (request i
-    on replica i, its token sequence split over the replica's ranks); one report per rank."""
+    on replica i, its token sequence split over the replica's ranks); one report per rank;
+    ``weights_dtype``: see `load_pipeline`."""
     if not requests:
         raise ValueError("no request to render")
     layout = Layout(dp=dp, sp=sp)
@@ -252,7 +261,8 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
                          f"replica), got dp={dp}")
     out = str(out)
     if layout.world == 1:
-        pipe = load_pipeline(model, use_allgather=use_allgather, device_budget=device_budget)
+        pipe = load_pipeline(model, use_allgather=use_allgather, device_budget=device_budget,
+                             weights_dtype=weights_dtype)
         try:
             return [render_rank(pipe, 0, requests, out, on_step)]
         finally:
@@ -263,4 +273,5 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
             on_step(*payload)
 
     return run_ranks(layout.world, _render_on_rank, model, requests, out, use_allgather, layout,
-                     device_budget, on_message=on_message, on_sample=on_sample, timeout_s=timeout_s)
+                     device_budget, weights_dtype, on_message=on_message, on_sample=on_sample,
+                     timeout_s=timeout_s)

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from common.families import FAMILIES, TINY_MODEL, family_of
-from runtime.budget import parse_budget
+from runtime.budget import WEIGHTS_DTYPES, parse_budget
 from scheduler.policy import GOAL_PREFERS
 
 Model = Annotated[str, typer.Option(help="kiln-tiny or a diffusers model directory.")]
@@ -18,6 +18,13 @@ DeviceBudgetOption = Annotated[str, typer.Option(
          "memory less the largest admitted job's activations; on the CPU every block when "
          "rank-local, bound to the shared checkpoint mapping, none with allgather), 'none', or "
          "a size such as 12GiB.")]
+WeightsDtypeOption = Annotated[str, typer.Option(
+    "--weights-dtype",
+    help="What the group keeps and moves its streamed transformer blocks in: 'checkpoint' (as "
+         "the checkpoint stores them), 'bf16' (half of fp32's bytes) or 'fp8' (e4m3 weights "
+         "with a scale per output channel, biases and norms in bf16: about a quarter). Cast "
+         "once at load and upcast before each block's forward: the host copy and the bytes "
+         "copied and gathered per step shrink by that ratio, at some precision.")]
 
 GoalOption = Annotated[str | None, typer.Option(
     help="What the worker group serves for: 'latency' takes interactive jobs first, "
@@ -62,6 +69,14 @@ def parse_goal(value: str | None) -> str | None:
         raise typer.BadParameter(f"must be {' or '.join(sorted(GOAL_PREFERS))}, got {value!r}",
                                  param_hint="--goal")
     return value
+
+
+def parse_weights_dtype(text: str) -> str:
+    """``--weights-dtype`` as ``apply_dlo`` takes it; a bad value is a usage error."""
+    if text not in WEIGHTS_DTYPES:
+        raise typer.BadParameter(f"must be {', '.join(WEIGHTS_DTYPES)}, got {text!r}",
+                                 param_hint="--weights-dtype")
+    return text
 
 
 def device_budget(text: str) -> int | str | None:

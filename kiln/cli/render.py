@@ -17,7 +17,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from common import admission
 from common.families import checkpoint_family
 from common.render import RenderFields
-from kiln.cli.options import DeviceBudgetOption, device_budget
+from kiln.cli.options import (
+    DeviceBudgetOption,
+    WeightsDtypeOption,
+    device_budget,
+    parse_weights_dtype,
+)
 
 app = typer.Typer()
 
@@ -62,6 +67,7 @@ def render(
         help="Each rank reads whole blocks instead of sharding them; on the CPU they stay "
              "bound to the checkpoint's mapping, one copy that all ranks share.")] = False,
     budget: DeviceBudgetOption = "auto",
+    weights_dtype: WeightsDtypeOption = "checkpoint",
     image: Annotated[Path | None, typer.Option(
         help="An image to start from (PNG, JPEG, WebP), for a model that takes one.")] = None,
     video: Annotated[Path | None, typer.Option(
@@ -122,6 +128,7 @@ def render(
             reports = run_render(model, requests, out, dp=dp, sp=sp,
                                  use_allgather=not rank_local,
                                  device_budget=device_budget(budget),
+                                 weights_dtype=parse_weights_dtype(weights_dtype),
                                  on_step=on_step, on_sample=pss_samples.append)
         except ValueError as exc:
             console.print(f"[red]error:[/red] {exc}")
@@ -145,6 +152,11 @@ def render(
                    + "; per rank blocks: " + ", ".join(_blocks_held(r.dlo) for r in reports))
         typer.echo(f"model weights {_size(weights)}: {ranks} private copies would hold "
                    f"{_size(ranks * weights)} before any rank's own memory")
+        dlo = reports[0].dlo
+        if dlo.get("weights_dtype", "checkpoint") != "checkpoint":
+            typer.echo(f"blocks kept and moved in {dlo['weights_dtype']}: "
+                       f"{_size(dlo['stored_block_bytes'])} (as the checkpoint stores them: "
+                       f"{_size(dlo['block_bytes'])})")
     missing = [str(output_path(out, i)) for i in range(len(requests))
                if not any(r.out == str(output_path(out, i)) for r in reports)]
     if missing:
@@ -186,7 +198,9 @@ def _blocks_held(dlo: dict) -> str:
     """Where a rank's transformer blocks live, from its DLO handle's stats."""
     if dlo.get("mapped_blocks"):
         return "bound to the shared checkpoint mapping"
-    return f"host shard {_size(dlo.get('host_shard_bytes', 0))}"
+    stored = dlo.get("weights_dtype", "checkpoint")
+    return (f"host shard {_size(dlo.get('host_shard_bytes', 0))}"
+            + ("" if stored == "checkpoint" else f" in {stored}"))
 
 
 @app.command("make-checkpoint")

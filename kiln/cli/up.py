@@ -38,10 +38,12 @@ from kiln.cli.options import (
     GoalOption,
     LayoutOption,
     Model,
+    WeightsDtypeOption,
     WorldOption,
     device_budget,
     parse_goal,
     parse_layout,
+    parse_weights_dtype,
 )
 from scheduler.policy import DEFAULT_GOAL
 
@@ -367,6 +369,7 @@ def up(
     sp: Annotated[int, typer.Option(
         help="Ranks per replica, splitting its job's token sequence.")] = 1,
     budget: DeviceBudgetOption = "auto",
+    weights_dtype: WeightsDtypeOption = "checkpoint",
     goal: GoalOption = None,
     layout: LayoutOption = "given",
     world: WorldOption = None,
@@ -382,6 +385,7 @@ def up(
 ) -> None:
     """Run kiln on embedded defaults: Redis, database, API, worker group and side work."""
     device_budget(budget)  # a bad value is refused before anything starts
+    parse_weights_dtype(weights_dtype)
     parse_goal(goal)
     auto_world = parse_layout(layout, world, dp, sp, model)
     if dp < 1 or sp < 1:
@@ -445,6 +449,7 @@ def up(
         supervisor.start(Child(
             "worker", [_KILN, "worker", "--dp", str(dp), "--sp", str(sp), "--model", model,
                        "--device", device, "--device-budget", budget,
+                       "--weights-dtype", weights_dtype,
                        *(["--goal", goal] if goal else []),
                        *(["--layout", "auto", "--world", str(auto_world)] if auto_world else [])],
             env, log("worker")))

@@ -14,10 +14,12 @@ from kiln.cli.options import (
     GoalOption,
     LayoutOption,
     Model,
+    WeightsDtypeOption,
     WorldOption,
     device_budget,
     parse_goal,
     parse_layout,
+    parse_weights_dtype,
 )
 
 app = typer.Typer()
@@ -41,6 +43,7 @@ def worker(
         min=1, help="A collective that takes longer than this means a rank hung: the group is "
                     "started again.")] = 600.0,
     budget: DeviceBudgetOption = "auto",
+    weights_dtype: WeightsDtypeOption = "checkpoint",
     goal: GoalOption = None,
     layout: LayoutOption = "given",
     world: WorldOption = None,
@@ -58,7 +61,8 @@ def worker(
                                  f"{device} give --dp and --sp", param_hint="--layout")
     config = WorkerConfig(dp=dp, sp=sp, goal=parse_goal(goal),
                           auto_world=parse_layout(layout, world, dp, sp, model),
-                          device_budget=device_budget(budget), model=model,
+                          device_budget=device_budget(budget),
+                          weights_dtype=parse_weights_dtype(weights_dtype), model=model,
                           device=device, use_allgather=allgather,
                           drain_seconds=drain_seconds,
                           collective_timeout_seconds=collective_timeout_seconds)

@@ -27,6 +27,27 @@ checkpoint needs no buffer at all: its tensors are bound to the checkpoint's fil
 the pages every rank of the host shares through the page cache. So on the CPU a rank-local group
 with every block resident holds one copy of the weights in all, no copy per rank, and does no
 transfer per forward (``runtime.budget``'s ``auto`` asks for that on the CPU).
+
+Stored dtype: with ``weights_dtype="bf16"`` or ``"fp8"`` (``runtime.dlo.cast``) each block is
+cast once, while the host copy is built, and the host shards, the slots and every copy and
+gather hold it in that dtype: half or a quarter of fp32's bytes. A cast block streams from a host
+copy even in rank-local mode (the rank's own copy of every streamed block, since the checkpoint
+holds them uncast), and never binds to the checkpoint's mapping. Just before its forward the
+block's cast tensors are upcast from its slot into one compute-dtype buffer that both slots
+share, on the compute stream; its parameters are views into that buffer (the cast tensors) and
+into the slot (the others, used as they arrived). One buffer, not one per slot: device memory
+for streamed blocks is then 2 x stored + 1 x the cast tensors in the compute dtype, no more than
+the two compute-dtype slots without a cast whenever a block shrinks to half or less (a buffer
+per slot would add a whole block more: 1.5x for a bf16 block stored in fp8), and the upcast is
+a single element-wise pass over the block, memory-bound, next to a forward whose matmuls read
+the same weights once per token tile. On the CPU an overlap would not help anyway (the transfer
+thread runs on the cores the forward needs); medians on one thread: a 4096 x 4096 fp32 weight
+upcasts from bf16 in 34 ms (a plain fp32 copy of it: 37 ms) and from fp8 with its scales in
+290 ms, against 1.9 s for one matmul of 2,048 tokens with it.
+A rank sitting a step out (``idle_forward``) gathers without upcasting. Resident blocks are
+upcast once, at set-up, into buffers of their own, so a block computes from the same values
+wherever it sits. ``checkpoint`` (the default) casts nothing: no compute buffer, no upcast,
+the engine as without the option.
 """
 
 from __future__ import annotations
@@ -45,6 +66,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from runtime.dlo.cast import (
+    SCALE_SUFFIX,
+    cast,
+    check_weights_dtype,
+    fp8_scale,
+    stored_layout,
+    upcast,
+    upcast_plan,
+)
 from runtime.dlo.checkpoint import Checkpoint
 from runtime.dlo.layout import BlockLayout, Entry, block_tensors, build_layout, layout_digest
 from runtime.platform import Platform, get_platform
@@ -188,11 +218,19 @@ class DLOHandle:
         source: _Source,
         resident_bytes: int,
         resident_blocks: int = 0,
+        stored: list[BlockLayout] | None = None,
+        weights_dtype: str = "checkpoint",
     ) -> None:
         self.model = model
         self.config = config
         self.platform = platform
         self._layouts = layouts
+        # Each block as it is kept and moved (``runtime.dlo.cast``): the layout itself unless
+        # some tensor of it is cast, and then upcast into the compute buffer before its forward.
+        self._stored = stored if stored is not None else layouts
+        self._casts = [st is not lay for st, lay in zip(self._stored, layouts, strict=True)]
+        self.weights_dtype = weights_dtype
+        self._entries = {e.name: e for lay in layouts for e in lay.entries}
         self._group = group
         self._owns_group = owns_group
         self._source = source
@@ -201,9 +239,26 @@ class DLOHandle:
         # Blocks [0, k) stay on the device for the life of the handle; [k, n) stream.
         self._num_resident = resident_blocks
         self._streamed = layouts[resident_blocks:]
-        self._max_streamed_bytes = max((lay.padded_bytes for lay in self._streamed), default=0)
+        self._max_streamed_bytes = max((st.padded_bytes for st in self._stored[resident_blocks:]),
+                                       default=0)
+        # Per streamed cast block: its cast tensors, upcast into the compute buffer (the others
+        # are used from the slot as they arrived); the buffer fits the largest such set.
+        self._upcasts: dict[int, tuple[Any, ...]] = {}
+        self._compute_bytes = 0
+        for lay, st in zip(self._streamed, self._stored[resident_blocks:], strict=True):
+            if st is not lay:
+                self._upcasts[lay.index], size = upcast_plan(lay, st)
+                self._compute_bytes = max(self._compute_bytes, size)
+        # A cast block streams from a host copy in its stored dtype: this rank's shards in
+        # allgather mode, the whole blocks in rank-local mode (the source holds them uncast).
+        self._host_copy = config.use_allgather or any(self._casts)
+        self._shard_index = config.rank if config.use_allgather else 0
         self._lock = threading.Lock()
         self._num_gathers = 0  # collective all-gathers issued, set-up included
+        # Bytes this rank copied into block buffers and bytes of the blocks its all-gathers
+        # rebuilt: at set-up, then per block acquired (``bytes_moved``).
+        self._bytes_copied = 0
+        self._bytes_gathered = 0
         self._gather_seconds = 0.0
         self._wait_seconds = 0.0
         self._timing_events: list[tuple[str, Any, Any]] = []  # accelerator intervals to sum
@@ -214,22 +269,26 @@ class DLOHandle:
         }
         # On the CPU a rank-local resident block is the checkpoint's mapping (module docstring).
         self._mapped = (not config.use_allgather and not platform.is_accelerator
-                        and source.checkpoint is not None)
+                        and source.checkpoint is not None and not any(self._casts))
         self._resident_bufs = [platform.empty_device(lay.padded_bytes)
                                for lay in layouts[:resident_blocks]] if not self._mapped else []
         self._slab: torch.Tensor | None = None
         self._shards: list[torch.Tensor | None] = []
-        if config.use_allgather:
+        if self._host_copy:
             self._slab, self._shards = self._fill_slab()
         else:
             self._fill_resident_whole()
         self._staging = (
             platform.empty_host(self._max_streamed_bytes, pinned=True)
-            if platform.is_accelerator and not config.use_allgather and self._streamed else None
+            if platform.is_accelerator and not self._host_copy and self._streamed else None
         )
         self._staging_free: Any = None
         self._slots = ([platform.empty_device(self._max_streamed_bytes) for _ in range(2)]
                        if self._streamed else [])
+        # One compute-dtype buffer for both slots: a cast block is upcast into it on the compute
+        # stream just before its forward (``_bind``); see the module docstring for why one.
+        self._compute_buf = (platform.empty_device(self._compute_bytes).zero_()
+                             if self._compute_bytes else None)
         self._slot_free: list[Any] = [None, None]  # compute-stream events: slot no longer read
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         for lay in layouts[:resident_blocks]:
@@ -260,41 +319,85 @@ class DLOHandle:
         return nn.Parameter(t, requires_grad=False) if e.is_param else t
 
     def _fill_slab(self) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """Copy this rank's shard of every block, straight from the source: a streamed block's
-        into one host slab, a resident block's into its place in the block's device buffer, which
-        an all-gather then completes (one per resident block, in block order on every rank)."""
-        rank = self.config.rank
+        """Copy this rank's shard of every block (the whole block in rank-local mode), in its
+        stored dtype, straight from the source: a streamed block's into one host slab, a resident
+        block's into its place in the block's device buffer, which an all-gather then completes
+        (one per resident block, in block order on every rank). A cast resident block is
+        gathered in a buffer of its stored size and upcast into its own, for good."""
+        index = self._shard_index
         k = self._num_resident
-        total = sum(lay.shard_bytes for lay in self._streamed)
+        total = sum(st.shard_bytes for st in self._stored[k:])
         slab = self.platform.empty_host(total, pinned=True) if total else None
         shards: list[torch.Tensor | None] = [None] * k
+        cast_sizes = [st.padded_bytes for st, c in zip(self._stored[:k], self._casts, strict=False)
+                      if c]
+        cast_buf = self.platform.empty_device(max(cast_sizes)) if cast_sizes else None
         pos = 0
-        for lay in self._layouts:
-            lo, hi = lay.shard_range(rank)
+        for lay, st in zip(self._layouts, self._stored, strict=True):
+            lo, hi = st.shard_range(index)
             if lay.index < k:
-                shard = self._resident_bufs[lay.index][lo:hi]
+                full = (self._resident_bufs[lay.index] if st is lay
+                        else cast_buf[: st.padded_bytes])  # type: ignore[index]
+                shard = full[lo:hi]
             else:
                 assert slab is not None
-                shard = slab[pos : pos + lay.shard_bytes]
-                pos += lay.shard_bytes
+                shard = slab[pos : pos + st.shard_bytes]
+                pos += st.shard_bytes
                 shards.append(shard)
             shard.zero_()  # padding bytes, so every rank gathers deterministic contents
-            for e in lay.entries:
+            for e in st.entries:
                 begin, end = max(lo, e.offset), min(hi, e.offset + e.nbytes)
                 if begin >= end:
                     continue
-                src = self._source.bytes(e.name)
+                src = self._stored_bytes(e)
                 shard[begin - lo : end - lo].copy_(src[begin - e.offset : end - e.offset])
-                self._source.done_with(e.name, begin - e.offset, end - e.offset)
+                self._done_with(e, begin - e.offset, end - e.offset)
+            if lay.index < k and st is not lay:
+                self._bytes_gathered += self._gather_whole(full, lo, hi)
+                whole, _ = upcast_plan(lay, st, whole=True)
+                upcast(whole, full, self._resident_bufs[lay.index].zero_())
         self._source.release_again(self._group)
         # The model's own copies of the block tensors are no longer needed.
         self._source.model_tensors.clear()
-        if self.config.world_size > 1:
-            for lay, buf in zip(self._layouts[:k], self._resident_bufs, strict=True):
-                lo, hi = lay.shard_range(rank)
-                _all_gather(buf, buf[lo:hi], self._group)
-                self._num_gathers += 1
+        for lay, st, buf in zip(self._layouts[:k], self._stored, self._resident_bufs,
+                                strict=False):
+            if st is lay:
+                self._bytes_gathered += self._gather_whole(buf, *lay.shard_range(index))
         return slab, shards
+
+    def _gather_whole(self, buf: torch.Tensor, lo: int, hi: int) -> int:
+        """Complete block buffer ``buf`` from the shards, this rank's at [lo, hi) (sharded
+        groups only; in rank-local mode ``buf`` is whole already); return the bytes gathered."""
+        if self.config.shard_count == 1:
+            return 0
+        _all_gather(buf, buf[lo:hi], self._group)
+        with self._lock:
+            self._num_gathers += 1
+        return buf.numel()
+
+    def _stored_bytes(self, e: Entry) -> torch.Tensor:
+        """The bytes of stored tensor (or scale region) ``e``: the source's own when it is not
+        cast, else the source's tensor cast to ``e.dtype``."""
+        name = e.name.removesuffix(SCALE_SUFFIX)
+        if name != e.name:
+            return _bytes_of(fp8_scale(self._source_tensor(self._entries[name])))
+        if e.dtype == self._entries[name].dtype:
+            return self._source.bytes(name)
+        return _bytes_of(cast(self._source_tensor(self._entries[name]), e.dtype))
+
+    def _source_tensor(self, e: Entry) -> torch.Tensor:
+        return self._source.bytes(e.name).view(e.dtype).view(e.shape)
+
+    def _done_with(self, e: Entry, begin: int, end: int) -> None:
+        """This rank has copied bytes [begin, end) of stored tensor ``e``: release the source
+        bytes they came from (a cast tensor's in proportion: the cast works element-wise)."""
+        name = e.name.removesuffix(SCALE_SUFFIX)
+        if name != e.name:
+            return  # a scale: derived from the tensor, whose own bytes are released with it
+        source_nbytes = self._entries[name].nbytes
+        if source_nbytes != e.nbytes:
+            begin, end = begin * source_nbytes // e.nbytes, end * source_nbytes // e.nbytes
+        self._source.done_with(name, begin, end)
 
     def _mapped_views(self, lay: BlockLayout) -> dict[str, torch.Tensor]:
         """Each tensor of block ``lay`` as the checkpoint's own mapped tensor (CPU, rank-local)."""
@@ -320,10 +423,12 @@ class DLOHandle:
 
     # ---- the transfer thread ------------------------------------------------------------
 
-    def _load(self, index: int, slot_index: int) -> Any:
-        """Runs on the transfer thread: fill ``slot_index`` with block ``index``."""
-        lay = self._layouts[index]
-        slot = self._slots[slot_index][: lay.padded_bytes]
+    def _load(self, index: int, slot_index: int) -> tuple[Any, int, int]:
+        """Runs on the transfer thread: fill ``slot_index`` with block ``index``; return the
+        event that marks it done and the bytes copied and gathered for it (counted when the
+        block is acquired, so that a step's count holds the blocks it used)."""
+        st = self._stored[index]
+        slot = self._slots[slot_index][: st.padded_bytes]
         p = self.platform
         t0 = time.perf_counter()
         with p.use_stream(self._side_stream):
@@ -331,27 +436,25 @@ class DLOHandle:
             if self._slot_free[slot_index] is not None:
                 # The previous block in this slot may still be computing on the compute stream.
                 p.wait_event(self._slot_free[slot_index], self._side_stream)
-            if self.config.use_allgather:
-                lo, hi = lay.shard_range(self.config.rank)
+            if self._host_copy:
+                lo, hi = st.shard_range(self._shard_index)
                 shard = self._shards[index]
                 assert shard is not None, "a resident block never streams"
                 slot[lo:hi].copy_(shard, non_blocking=True)
-                if self.config.world_size > 1:
-                    # In place: this rank's shard already sits at its position in the output.
-                    _all_gather(slot, slot[lo:hi], self._group)
-                    with self._lock:
-                        self._num_gathers += 1
+                copied = hi - lo
+                # In place: this rank's shard already sits at its position in the output.
+                gathered = self._gather_whole(slot, lo, hi)
             else:
-                self._stream_whole_block(lay, slot)
+                copied, gathered = self._stream_whole_block(st, slot), 0
             ready = p.record_event(self._side_stream)
         if p.is_accelerator:
             self._add_timing("gather", start, ready)
         else:
             with self._lock:
                 self._gather_seconds += time.perf_counter() - t0
-        return ready
+        return ready, copied, gathered
 
-    def _stream_whole_block(self, lay: BlockLayout, slot: torch.Tensor) -> None:
+    def _stream_whole_block(self, lay: BlockLayout, slot: torch.Tensor) -> int:
         p = self.platform
         dst = slot if self._staging is None else self._staging[: lay.padded_bytes]
         if self._staging_free is not None:
@@ -362,6 +465,7 @@ class DLOHandle:
         if self._staging is not None:
             slot.copy_(dst, non_blocking=True)
             self._staging_free = p.record_event(self._side_stream)
+        return sum(e.nbytes for e in lay.entries)
 
     def _prefetch(self, index: int, slot: int) -> None:
         self._inflight[index] = (slot, self._executor.submit(self._load, index, slot))
@@ -392,7 +496,10 @@ class DLOHandle:
         self._num_acquired += 1
         p = self.platform
         t0 = time.perf_counter()
-        ready = fut.result()
+        ready, copied, gathered = fut.result()
+        with self._lock:
+            self._bytes_copied += copied
+            self._bytes_gathered += gathered
         if p.is_accelerator:
             before = p.record_event()
             p.wait_event(ready)  # compute must not read the slot before the gather lands
@@ -431,10 +538,26 @@ class DLOHandle:
     def _views_for(self, index: int, slot: int) -> dict[str, torch.Tensor]:
         key = (index, slot)
         if key not in self._views:
-            self._views[key] = _make_views(self._layouts[index], self._slots[slot])
+            lay = self._layouts[index]
+            if index not in self._upcasts:
+                self._views[key] = _make_views(lay, self._slots[slot])
+            else:
+                # Cast tensors from the compute buffer, the others from the slot.
+                assert self._compute_buf is not None
+                places = {e.name: (self._slots[slot], s.offset)
+                          for e, s in zip(lay.entries, self._stored[index].entries,
+                                          strict=False)}
+                places.update({u.entry.name: (self._compute_buf, u.offset)
+                               for u in self._upcasts[index]})
+                self._views[key] = {e.name: _view(e, *places[e.name]) for e in lay.entries}
         return self._views[key]
 
     def _bind(self, index: int, slot: int) -> None:
+        if index in self._upcasts:
+            assert self._compute_buf is not None
+            # On the compute stream, which waits for the block's arrival (``_acquire``) and
+            # ran the previous block's forward from this buffer before.
+            upcast(self._upcasts[index], self._slots[slot], self._compute_buf)
         views = self._views_for(index, slot)
         for e in self._layouts[index].entries:
             _set_tensor(e, views[e.name])
@@ -518,12 +641,25 @@ class DLOHandle:
     def weight_figures(self) -> dict[str, int]:
         """What this handle keeps of the model's weights, without waiting on the device: the
         blocks, how many stay resident, the device bytes their buffers take (the resident
-        blocks and the two slots) and the model's own size (its blocks, unsharded, and the
-        tensors kept resident beside them)."""
+        blocks, the two slots and the compute buffer), the model's own size (its blocks,
+        unsharded, and the tensors kept resident beside them) and its blocks' size as they
+        are kept and moved (``stored_block_bytes``, unsharded: ``weights_dtype``'s). Numbers
+        only, so that a pipeline's handles add up."""
         return {"num_blocks": len(self._layouts), "resident_blocks": self._num_resident,
                 "device_weight_buffer_bytes": self._buffer_bytes(),
                 "model_bytes": self._resident_bytes + sum(lay.padded_bytes
-                                                          for lay in self._layouts)}
+                                                          for lay in self._layouts),
+                "stored_block_bytes": sum(st.padded_bytes for st in self._stored)}
+
+    @property
+    def bytes_moved(self) -> tuple[int, int]:
+        """(bytes this rank copied into block buffers, bytes of the blocks its all-gathers
+        rebuilt), set-up included: what a step moved is their growth over the step. Each
+        transfer reports the bytes it moved, in the dtype the blocks are stored in, and they
+        are added when its block is acquired (a prefetch still in flight counts in the step
+        that uses it)."""
+        with self._lock:
+            return self._bytes_copied, self._bytes_gathered
 
     def stats(self) -> dict[str, Any]:
         if self._timing_events:
@@ -551,14 +687,21 @@ class DLOHandle:
             "wait_seconds": self._wait_seconds,
             "mode": "allgather" if self.config.use_allgather else "rank-local",
             "mapped_blocks": self._num_resident if self._mapped else 0,
+            "weights_dtype": self.weights_dtype,
+            "block_bytes": sum(lay.padded_bytes for lay in self._layouts),
+            "stored_block_bytes": sum(st.padded_bytes for st in self._stored),
+            "max_stored_block_bytes": max(st.padded_bytes for st in self._stored),
+            "compute_buffer_bytes": self._compute_bytes,
+            "bytes_copied": self._bytes_copied,
+            "bytes_gathered": self._bytes_gathered,
         }
 
     def _buffer_bytes(self) -> int:
         """Bytes of this rank's own block buffers: the resident blocks' (none when they are
-        the checkpoint's mapping) and the two slots."""
+        the checkpoint's mapping), the two slots and the compute buffer."""
         resident = 0 if self._mapped else sum(
             lay.padded_bytes for lay in self._layouts[: self._num_resident])
-        return resident + 2 * self._max_streamed_bytes
+        return resident + 2 * self._max_streamed_bytes + self._compute_bytes
 
     def close(self) -> None:
         """Release the slots, the host slab, the hooks and the weight group."""
@@ -574,6 +717,7 @@ class DLOHandle:
         self._hooks.clear()
         self._views.clear()
         self._slots = []
+        self._compute_buf = None
         for lay in self._layouts[: self._num_resident]:
             self._unbind(lay)  # the resident blocks' device buffers go with the handle
         self._resident_bufs = []
@@ -593,11 +737,13 @@ class DLOHandle:
 
 def _make_views(lay: BlockLayout, buf: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each tensor of block ``lay`` as a view into ``buf``, the block's flat byte buffer."""
-    views: dict[str, torch.Tensor] = {}
-    for e in lay.entries:
-        t = buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
-        views[e.name] = nn.Parameter(t, requires_grad=False) if e.is_param else t
-    return views
+    return {e.name: _view(e, buf, e.offset) for e in lay.entries}
+
+
+def _view(e: Entry, buf: torch.Tensor, offset: int) -> torch.Tensor:
+    """Tensor ``e`` as a view into flat byte buffer ``buf`` at ``offset``."""
+    t = buf[offset : offset + e.nbytes].view(e.dtype).view(e.shape)
+    return nn.Parameter(t, requires_grad=False) if e.is_param else t
 
 
 def _set_tensor(e: Entry, t: torch.Tensor) -> None:
@@ -670,25 +816,29 @@ def _check_count(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
 
 
-def _resident_count(layouts: list[BlockLayout], resident_blocks: int | None,
-                    device_budget_bytes: int | None) -> int:
+def _resident_count(layouts: list[BlockLayout], stored: list[BlockLayout],
+                    resident_blocks: int | None, device_budget_bytes: int | None) -> int:
     """How many leading blocks stay resident: ``resident_blocks`` (clamped to the block count)
-    if given; else the most whose bytes, plus two slots for the largest block still streamed,
-    fit in ``device_budget_bytes`` (every block, and no slot, if all of them fit); else 0."""
+    if given; else the most whose bytes (in the compute dtype), plus two slots for the largest
+    block still streamed as stored and a compute buffer for the largest cast one, fit in
+    ``device_budget_bytes`` (every block, and no slot, if all of them fit); else 0."""
     n = len(layouts)
     if resident_blocks is not None:
         return min(resident_blocks, n)
     if device_budget_bytes is None:
         return 0
-    sizes = [lay.padded_bytes for lay in layouts]
-    suffix_max = [0] * (n + 1)  # suffix_max[k]: the largest block streamed when k are resident
+    # suffix_slot[k] / suffix_up[k]: the slot and compute buffer sizes when k are resident.
+    suffix_slot = [0] * (n + 1)
+    suffix_up = [0] * (n + 1)
     for i in range(n - 1, -1, -1):
-        suffix_max[i] = max(sizes[i], suffix_max[i + 1])
+        suffix_slot[i] = max(stored[i].padded_bytes, suffix_slot[i + 1])
+        upcast_bytes = upcast_plan(layouts[i], stored[i])[1] if stored[i] is not layouts[i] else 0
+        suffix_up[i] = max(upcast_bytes, suffix_up[i + 1])
     prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
+    for lay in layouts:
+        prefix.append(prefix[-1] + lay.padded_bytes)
     for k in range(n, 0, -1):
-        if prefix[k] + 2 * suffix_max[k] <= device_budget_bytes:
+        if prefix[k] + 2 * suffix_slot[k] + suffix_up[k] <= device_budget_bytes:
             return k
     return 0
 
@@ -703,6 +853,7 @@ def apply_dlo(
     device: torch.device | str | None = None,
     resident_blocks: int | None = None,
     device_budget_bytes: int | None = None,
+    weights_dtype: str = "checkpoint",
 ) -> DLOHandle:
     """Stream ``model``'s block lists through two device slots; see the module docstring.
 
@@ -721,6 +872,10 @@ def apply_dlo(
             (resident blocks plus the two slots; non-block tensors are not counted): keep as
             many leading blocks resident as fit. Every rank of the group uses the fewest
             resident blocks any rank's arguments give. Default (neither): every block streams.
+        weights_dtype: ``checkpoint`` (the blocks as the model has them), ``bf16`` or ``fp8``:
+            the dtype the host copy, the slots and the transfers hold the blocks in, cast once
+            here and upcast into the model's dtype before each block's forward
+            (``runtime.dlo.cast``). Every rank of the group must pass the same.
     """
     platform = get_platform(device)
     block_lists = _resolve_block_lists(model, blocks)
@@ -735,6 +890,7 @@ def apply_dlo(
 
     error: str | None = None
     layouts: list[BlockLayout] = []
+    stored: list[BlockLayout] = []
     modules: list[nn.Module] = []
     ckpt: Checkpoint | None = None
     source = _Source(None)
@@ -743,11 +899,13 @@ def apply_dlo(
     try:
         _check_count("resident_blocks", resident_blocks)
         _check_count("device_budget_bytes", device_budget_bytes)
+        check_weights_dtype(weights_dtype)
         for path, blist in block_lists:
             for i, block in enumerate(blist):
                 layouts.append(build_layout(len(layouts), f"{path}.{i}", block, shard_count))
                 modules.append(block)
-        num_resident = _resident_count(layouts, resident_blocks, device_budget_bytes)
+        stored = [stored_layout(lay, weights_dtype, shard_count) for lay in layouts]
+        num_resident = _resident_count(layouts, stored, resident_blocks, device_budget_bytes)
         streamed = {e.name for lay in layouts for e in lay.entries}
         block_ids = {id(t) for path, blist in block_lists
                      for _, _, _, _, t in block_tensors(path, blist)}
@@ -783,8 +941,11 @@ def apply_dlo(
                 }
     except ValueError as exc:
         error = str(exc)
+    digest = layout_digest(layouts, shard_count)
+    if weights_dtype != "checkpoint":  # the ranks must store (and so gather) the same bytes
+        digest += f":{weights_dtype}"
     try:
-        num_resident = _agree(wgroup, error, layout_digest(layouts, shard_count), num_resident)
+        num_resident = _agree(wgroup, error, digest, num_resident)
     except ValueError:
         if ckpt is not None:
             ckpt.close()
@@ -795,7 +956,7 @@ def apply_dlo(
         log.info("DLO: %d of %d blocks resident on the device", num_resident, len(layouts))
     return DLOHandle(model, layouts, modules, config=config, platform=platform, group=wgroup,
                      owns_group=owns_group, source=source, resident_bytes=resident_bytes,
-                     resident_blocks=num_resident)
+                     resident_blocks=num_resident, stored=stored, weights_dtype=weights_dtype)
 
 
 def _current(e: Entry) -> torch.Tensor:

@@ -100,13 +100,15 @@ class DiffusersVideoPipeline(VideoPipeline):
     def load(cls, model_dir: str | Path, *, group: Any = None, device: Any = None,
              use_allgather: bool = True, cfg_batch: bool = True,
              sequence: SequenceParallel | None = None, device_budget: DeviceBudget = AUTO,
-             max_tokens: int | None = None) -> DiffusersVideoPipeline:
+             max_tokens: int | None = None,
+             weights_dtype: str = "checkpoint") -> DiffusersVideoPipeline:
         """This family's loop around the model's components (``runtime.pipelines.registry``
         picks the class by ``common.families.family_of``); ``cfg_batch=False``: Wan's CFG pair
         as two batch-1 forwards (CogVideoX refuses it); ``sequence``: the replica's split of
         the token sequence (Wan; ``runtime.sequence``); ``device_budget``: device memory for
         resident blocks (``runtime.budget``), with activations reserved for a job of
-        ``max_tokens`` tokens (default: the family's most)."""
+        ``max_tokens`` tokens (default: the family's most); ``weights_dtype``: the dtype the
+        transformers' streamed blocks are kept and moved in (``apply_dlo``)."""
         model_dir = Path(model_dir)
         index = model_index(str(model_dir))
         name = index.get("_class_name", "")
@@ -134,7 +136,7 @@ class DiffusersVideoPipeline(VideoPipeline):
                                     maps_checkpoint=not use_allgather)
             handles.append(apply_dlo(model, checkpoint=model_dir / tname, group=group,
                                      use_allgather=use_allgather, device=dev,
-                                     device_budget_bytes=budget))
+                                     device_budget_bytes=budget, weights_dtype=weights_dtype))
             if sequence is not None:
                 cls.enable_sequence_parallel(model, sequence)
             transformers[tname] = model

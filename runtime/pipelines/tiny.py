@@ -56,12 +56,14 @@ class TinyPipeline(VideoPipeline):
              device: torch.device | str | None = None, offload: bool = True,
              cfg_batch: bool = True, sequence: SequenceParallel | None = None,
              device_budget: DeviceBudget = AUTO,
-             max_tokens: int = TINY.max_tokens) -> TinyPipeline:
+             max_tokens: int = TINY.max_tokens,
+             weights_dtype: str = "checkpoint") -> TinyPipeline:
         """kiln-tiny with its transformer blocks streamed by DLO (``offload=False``: resident);
         ``cfg_batch``: see the module docstring; ``sequence``: the replica's split of the token
         sequence (``runtime.sequence``), None when one rank renders a job alone;
         ``device_budget``: device memory for resident blocks (``runtime.budget``), with
-        activations reserved for a job of ``max_tokens`` tokens."""
+        activations reserved for a job of ``max_tokens`` tokens; ``weights_dtype``: the dtype
+        the streamed blocks are kept and moved in (``apply_dlo``)."""
         model = build_tiny(cfg)
         if sequence is not None:
             sequence.check_heads(model.cfg.num_heads, "kiln-tiny")
@@ -77,7 +79,8 @@ class TinyPipeline(VideoPipeline):
             budget = resolve_budget(device_budget, get_platform(dev), activations=activation_bytes(
                 shard, model.cfg.dim, model.cfg.ffn_dim, dtype_bytes=4))
             handle = apply_dlo(model.transformer, group=group, use_allgather=use_allgather,
-                               device=device, device_budget_bytes=budget)
+                               device=device, device_budget_bytes=budget,
+                               weights_dtype=weights_dtype)
         return cls(model, handle, device=dev, cfg_batch=cfg_batch)
 
     @torch.no_grad()

@@ -1,0 +1,270 @@
+"""Blocks kept and moved in bf16 or fp8 (``apply_dlo``'s ``weights_dtype``, ``runtime.dlo.cast``).
+
+What the engine counts (``DLOHandle.bytes_moved``) is held against fp32: the bytes gathered per
+step at dp=2 allgather (two CPU ranks over gloo, `tests.multirank`), the bytes copied per step
+from a rank-local copy, and the host copy itself. kiln-tiny's frames over 12 prompts stay close
+to fp32's; ``checkpoint`` is the engine as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from dlo_models import build, make_input
+from multirank import run_ranks
+from safetensors.torch import save_file
+from torch import nn
+
+from runtime.dlo import apply_dlo, find_block_lists
+from runtime.dlo.cast import FP8, cast, fp8_scale, stored_dtype
+from runtime.models.tiny import build_tiny
+from runtime.pipelines.base import VideoRequest
+from runtime.pipelines.tiny import TinyPipeline
+from runtime.render import run_lockstep
+
+DTYPES = ("checkpoint", "bf16", "fp8")  # kiln-tiny's checkpoint dtype is fp32
+REQUESTS = [VideoRequest(prompt="a red ball", num_inference_steps=3, seed=1),
+            VideoRequest(prompt="a blue cat", num_inference_steps=3, seed=2)]
+PROMPTS = ["a red ball rolling left", "a blue cat on a sofa", "waves at dusk",
+           "a green field in wind", "city lights at night", "a white bird flying",
+           "rain on a window", "a yellow taxi turning", "smoke over a fire",
+           "a purple flower opening", "snow falling on trees", "a black dog running"]
+
+
+def _per_step(pipe: TinyPipeline) -> list[tuple[int, int]]:
+    """(bytes copied, bytes gathered) by the handle in each step (or idle step) from now on."""
+    moved: list[tuple[int, int]] = []
+    handle = pipe.handles[0]
+    assert handle is not None
+
+    def recorded(fn: Any) -> Any:
+        def call(*args: Any) -> None:
+            copied, gathered = handle.bytes_moved
+            fn(*args)
+            after = handle.bytes_moved
+            moved.append((after[0] - copied, after[1] - gathered))
+        return call
+
+    pipe.step = recorded(pipe.step)  # type: ignore[method-assign]
+    pipe.idle_step = recorded(pipe.idle_step)  # type: ignore[method-assign]
+    return moved
+
+
+def _allgather_rank(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for weights_dtype in DTYPES:
+        pipe = TinyPipeline.load(device="cpu", weights_dtype=weights_dtype)
+        try:
+            handle = pipe.handles[0]
+            assert handle.config.use_allgather and handle.config.world_size == world
+            moved = _per_step(pipe)
+            run_lockstep(pipe, rank, REQUESTS)
+            out[weights_dtype] = {"moved": moved, "host": handle.stats()["host_shard_bytes"],
+                                  "stored": handle.weight_figures()["stored_block_bytes"]}
+        finally:
+            pipe.close()
+    return out
+
+
+def test_bf16_halves_and_fp8_quarters_what_dp2_allgather_gathers_per_step():
+    for rank, result in enumerate(run_ranks(2, _allgather_rank)):
+        fp32 = result["checkpoint"]
+        gathered = {d: {g for _, g in result[d]["moved"]} for d in DTYPES}
+        assert all(len(g) == 1 for g in gathered.values()), gathered  # the same every step
+        per_step = {d: gathered[d].pop() for d in DTYPES}
+        # What a step gathers is every block once, as stored; each rank copies its half.
+        for d in DTYPES:
+            assert per_step[d] == result[d]["stored"]
+            assert {c for c, _ in result[d]["moved"]} == {per_step[d] // 2}
+        ratios = {d: per_step[d] / per_step["checkpoint"] for d in DTYPES}
+        host = {d: result[d]["host"] / fp32["host"] for d in DTYPES}
+        print(f"rank {rank}: bytes gathered per step {per_step} (ratio to fp32 {ratios}); "
+              f"host shard ratio {host}")
+        assert ratios["bf16"] == 0.5 and host["bf16"] == 0.5
+        # fp8: a quarter for the weight matrices, plus their scales and bf16 biases and norms
+        # (kiln-tiny is 128 wide, so those weigh more than in a real model).
+        assert 0.25 < ratios["fp8"] < 0.3 and 0.25 < host["fp8"] < 0.3
+
+
+def test_rank_local_copy_holds_and_copies_the_stored_dtype():
+    moved, host, device = {}, {}, {}
+    for weights_dtype in DTYPES:
+        pipe = TinyPipeline.load(device="cpu", weights_dtype=weights_dtype)
+        try:
+            handle = pipe.handles[0]
+            assert not handle.config.use_allgather  # one CPU rank: rank-local
+            steps = _per_step(pipe)
+            pipe.generate(REQUESTS[0])
+            assert {g for _, g in steps} == {0}  # nothing to gather
+            (moved[weights_dtype],) = {c for c, _ in steps}
+            host[weights_dtype] = handle.stats()["host_shard_bytes"]
+            device[weights_dtype] = handle.weight_figures()["device_weight_buffer_bytes"]
+        finally:
+            pipe.close()
+    ratios = {d: moved[d] / moved["checkpoint"] for d in DTYPES}
+    print(f"bytes copied per step {moved} (ratio to fp32 {ratios}); rank-local copy {host}")
+    assert host["checkpoint"] == 0  # fp32 streams from the model's own tensors, no copy
+    # A cast block streams from the rank's own copy: every block once per step, as stored.
+    assert host["bf16"] == moved["bf16"] and host["fp8"] == moved["fp8"]
+    assert ratios["bf16"] == 0.5
+    assert 0.25 < ratios["fp8"] < 0.3
+    # Two slots as stored and one compute buffer: no more than two fp32 slots.
+    print(f"device bytes for block weights {device}")
+    assert device["bf16"] <= device["checkpoint"] and device["fp8"] <= device["checkpoint"]
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def test_kiln_tiny_frames_stay_close_to_fp32_and_checkpoint_is_bit_identical():
+    frames: dict[str, list[np.ndarray]] = {}
+    for weights_dtype in (*DTYPES, "resident"):
+        pipe = (TinyPipeline.load(device="cpu", offload=False) if weights_dtype == "resident"
+                else TinyPipeline.load(device="cpu", weights_dtype=weights_dtype))
+        try:
+            frames[weights_dtype] = [pipe.generate(VideoRequest(prompt=p, seed=i)).numpy()
+                                     for i, p in enumerate(PROMPTS)]
+        finally:
+            pipe.close()
+    for a, b in zip(frames["checkpoint"], frames["resident"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    psnr = {d: [_psnr(a, b) for a, b in zip(frames[d], frames["checkpoint"], strict=True)]
+            for d in ("bf16", "fp8")}
+    print({d: f"min {min(v):.1f} dB, mean {np.mean(v):.1f} dB" for d, v in psnr.items()})
+    assert min(psnr["bf16"]) >= 35
+    assert min(psnr["fp8"]) >= 30
+
+
+@pytest.mark.parametrize("weights_dtype", ["bf16", "fp8"])
+def test_resident_and_streamed_blocks_compute_from_the_same_cast_weights(weights_dtype):
+    """A resident block is upcast once at set-up, a streamed one before every forward: the
+    same values either way, so the output does not depend on how many blocks stay resident."""
+    x = torch.randn(1, 12, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([500.0])
+    outs = []
+    for resident in (0, 2, 4):
+        model = build_tiny()
+        text = model.text_encoder(*model.tokenizer(["a red ball"]))
+        handle = apply_dlo(model.transformer, device="cpu", resident_blocks=resident,
+                           weights_dtype=weights_dtype)
+        try:
+            with torch.no_grad():
+                outs.append(model.transformer(x, t, text))
+        finally:
+            handle.close()
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+
+
+def test_fp8_scales_per_output_channel_and_what_stays_wider():
+    w = torch.randn(6, 5) * torch.tensor([1e-3, 1.0, 10.0, 100.0, 0.5, 0.0])[:, None]
+    scale = fp8_scale(w)
+    q = cast(w, FP8)
+    assert q.dtype == FP8 and scale.tolist()[5] == 1.0  # a channel of zeros keeps scale 1
+    back = q.float() * scale[:, None]
+    # Every channel keeps e4m3's relative precision (3 mantissa bits), whatever its magnitude.
+    assert torch.all((back - w).abs() <= w.abs().amax(dim=1, keepdim=True) * 2**-4)
+    assert stored_dtype(torch.float32, (6, 5), "fp8") == FP8
+    assert stored_dtype(torch.float32, (6,), "fp8") == torch.bfloat16  # bias, norm
+    assert stored_dtype(torch.float32, (1, 6, 5), "fp8") == torch.bfloat16  # one channel
+    assert stored_dtype(torch.float16, (6, 5), "bf16") == torch.float16  # no smaller
+    assert stored_dtype(torch.int64, (6, 5), "fp8") == torch.int64
+    assert stored_dtype(torch.float32, (6, 5), "checkpoint") == torch.float32
+
+
+def test_an_unknown_weights_dtype_is_a_value_error():
+    model = build_tiny()
+    with pytest.raises(ValueError, match="weights_dtype must be one of checkpoint, bf16, fp8"):
+        apply_dlo(model.transformer, device="cpu", weights_dtype="int4")
+
+
+def _cast_and_back(model: nn.Module, weights_dtype: str) -> nn.Module:
+    """``model`` with each block tensor replaced by what the engine computes with: stored in
+    ``weights_dtype``, then back in its own dtype (fp8: times its channels' scales in float32)."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for path in find_block_lists(model):
+            for t in model.get_submodule(path).state_dict(keep_vars=True).values():
+                stored = stored_dtype(t.dtype, tuple(t.shape), weights_dtype)
+                q = cast(t, stored)
+                if stored == FP8:
+                    scale = fp8_scale(t).view(-1, *([1] * (t.dim() - 1)))
+                    t.copy_((q.to(torch.float32) * scale).to(t.dtype))
+                else:
+                    t.copy_(q.to(t.dtype))
+    return model
+
+
+EXACT = list(itertools.product(("uneven", "mixed_dtype"), ("bf16", "fp8"),
+                               ("materialised", "checkpoint"), ("allgather", "rank-local"),
+                               (0, 2)))
+
+
+def _exact_rank(rank: int, world: int, checkpoints: dict[str, str]) -> dict[str, list[bool]]:
+    results = {}
+    for name, weights_dtype, source, mode, resident in EXACT:
+        original = build(name, torch.float32)
+        reference = _cast_and_back(original, weights_dtype)
+        if source == "checkpoint":
+            model, ckpt = build(name, torch.float32, meta=True), checkpoints[name]
+        else:
+            model, ckpt = copy.deepcopy(original), None
+        handle = apply_dlo(model, checkpoint=ckpt, use_allgather=mode == "allgather",
+                           resident_blocks=resident, weights_dtype=weights_dtype)
+        dtype = next(reference.parameters()).dtype
+        with torch.no_grad():
+            results[f"{name}-{weights_dtype}-{source}-{mode}-{resident}"] = [
+                torch.equal(reference(x), model(x))
+                for x in (make_input(rank, call, dtype) for call in range(3))]
+        handle.close()
+    return results
+
+
+def test_dp2_forward_equals_the_resident_model_with_its_blocks_cast_and_back(tmp_path: Path):
+    """Bit for bit, on both ranks: allgather and rank-local, from the model's tensors or a
+    checkpoint's mapping, with blocks streamed or resident, a block of two dtypes included."""
+    checkpoints = {}
+    for name in ("uneven", "mixed_dtype"):
+        checkpoints[name] = str(tmp_path / f"{name}.safetensors")
+        save_file({k: v.contiguous() for k, v in build(name, torch.float32).state_dict().items()},
+                  checkpoints[name])
+    for rank, results in enumerate(run_ranks(2, _exact_rank, checkpoints, timeout=300)):
+        wrong = {k: v for k, v in results.items() if v != [True] * 3}
+        assert not wrong, f"rank {rank}: {wrong}"
+
+
+def test_kiln_render_at_dp2_in_fp8_reports_the_stored_size(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from kiln.cli import app
+
+    result = CliRunner().invoke(app, [
+        "render", "--prompt", "a red ball", "--prompt", "a blue cat", "--dp", "2", "--steps",
+        "2", "--weights-dtype", "fp8", "--out", str(tmp_path / "a.mp4")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "a-1.mp4").is_file()
+    assert "per rank blocks: host shard 0.4 MB in fp8, host shard 0.4 MB in fp8" in result.output
+    assert "blocks kept and moved in fp8: 0.9 MB (as the checkpoint stores them: 3.4 MB)" \
+        in result.output
+
+
+@pytest.mark.parametrize("command", ["render", "worker", "up"])
+def test_an_unknown_weights_dtype_is_refused_before_anything_starts(command: str,
+                                                                   tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from kiln.cli import app
+
+    extra = ["--prompt", "a", "--out", str(tmp_path / "a.mp4")] if command == "render" else []
+    result = CliRunner().invoke(app, [command, *extra, "--weights-dtype", "fp4"])
+    assert result.exit_code == 2
+    assert "must be checkpoint, bf16, fp8, got 'fp4'" in result.output
