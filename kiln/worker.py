@@ -213,7 +213,7 @@ def plan_layout(settings: Settings, config: WorkerConfig) -> WorkerConfig:
     job = JobShape(d.width, d.height, d.num_frames, d.num_inference_steps)
     profile, source = load_or_measure(config.model, settings.data_dir)
     result = plan(profile, world, job, tokens=job.tokens(config.model),
-                  heads=heads_of(config.model))
+                  heads=heads_of(config.model), weights_dtype=config.weights_dtype)
     best, runner_up = choose(result, goal)
     reason = result.reasons["latency" if goal == "latency" else "throughput"]
     log.info("layout auto for %d rank(s), goal %s, job %s: %s (predicted %.3g s a job, %.0f "

@@ -44,13 +44,14 @@ import torch.distributed as dist
 
 from common.families import family_of
 from common.families import tokens as count_tokens
+from runtime.budget import WEIGHTS_DTYPES
 from runtime.launch import RankContext, run_ranks
 from runtime.models.tiny import TinyConfig
 from runtime.pipelines.base import VideoRequest, agree_handles
 from runtime.render import load_pipeline, memory_figures
 from runtime.sequence import Layout, open_sequence
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 STALE_AFTER_DAYS = 30
 MODES = ("allgather", "rank-local")
 
@@ -126,12 +127,14 @@ def _measure_on_rank(ctx: RankContext, model: str, layout: Layout, mode: str, jo
             waits.append(after.get("wait_seconds", 0.0) - before.get("wait_seconds", 0.0))
             gathers.append(after.get("gather_seconds", 0.0) - before.get("gather_seconds", 0.0))
         _, host_bytes, _ = memory_figures()
+        stored = ({d: handle.stored_sizes(d) for d in WEIGHTS_DTYPES}
+                  if handle is not None else {})
         dist.barrier()
         t0 = time.perf_counter()
         if layout.is_leader(ctx.rank):
             pipe.decode(state)
         decode = time.perf_counter() - t0
-        stats = handle.stats() if handle is not None else {}
+        stats = {**handle.stats(), "stored_sizes": stored} if handle is not None else {}
     finally:
         pipe.close()
     kept = slice(1, None) if steps > 1 else slice(None)  # the first step warms the kernels
@@ -247,6 +250,9 @@ class Profile:
     # What one lock-step collective costs when there are twice as many ranks as cores: a
     # collective completes only once every rank is scheduled.
     crowded_collective_seconds: float
+    # Per weights dtype (runtime.budget.WEIGHTS_DTYPES), the blocks as the engine would keep
+    # them: block_bytes (all, unsharded), max_block_bytes (a slot), compute_buffer_bytes.
+    stored_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)  # the profile's own runs, as measured
     version: int = PROFILE_VERSION
 
@@ -373,6 +379,7 @@ def measure_profile(model: str, *, jobs: tuple[JobShape, JobShape] | None = None
         decode_seconds=ag_large.decode_seconds,
         decode_pixels=large.width * large.height * large.num_frames,
         framework_bytes=framework, per_rank_bytes=per_rank, crowded_collective_seconds=crowded,
+        stored_sizes=stats.get("stored_sizes", {}),
         raw={f"{mode} {job}": asdict(m) for (job, mode), m in runs.items()})
 
 
@@ -415,6 +422,7 @@ class Prediction:
     compute_seconds: float  # per step, this rank's blocks
     transfer_seconds: float  # per step, the weights' gathers or copies (overlapped)
     exchange_seconds: float  # per step, sp's all-to-alls
+    weights_dtype: str = "checkpoint"  # what the blocks are kept and moved in
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -422,12 +430,29 @@ class Prediction:
         return f"dp={self.dp} x sp={self.sp} {self.mode}"
 
 
+def stored_sizes(p: Profile, weights_dtype: str) -> dict[str, int]:
+    """The profile's blocks as kept in ``weights_dtype``: block_bytes, max_block_bytes and
+    compute_buffer_bytes (`Profile.stored_sizes`; ``checkpoint`` is the measured layout)."""
+    if weights_dtype in p.stored_sizes:
+        return p.stored_sizes[weights_dtype]
+    if weights_dtype == "checkpoint":
+        return {"block_bytes": p.block_bytes, "max_block_bytes": p.max_block_bytes,
+                "compute_buffer_bytes": 0}
+    raise ValueError(f"the profile has no figures for weights dtype {weights_dtype!r}; "
+                     "measure it again")
+
+
 def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int,
             resident_blocks: int = 0, threads: int = 1, nodes: int = 1,
-            inter_node_bytes_per_second: float = 25e9 / 8) -> Prediction:
+            inter_node_bytes_per_second: float = 25e9 / 8,
+            weights_dtype: str = "checkpoint") -> Prediction:
     """``nodes``: machines the ranks are spread over, each like this one (the profile's), in
     rank order; a collective that crosses machines runs at the slower of this machine's rate
-    and ``inter_node_bytes_per_second`` (default 25 Gb/s)."""
+    and ``inter_node_bytes_per_second`` (default 25 Gb/s). ``weights_dtype``: the blocks are
+    kept, copied and gathered at their size in it (`stored_sizes`): the host holds them once
+    (allgather's shards; rank-local: the checkpoint's shared mapping, or each rank's own copy
+    when they are cast), the two slots hold the largest, and a cast block needs a compute
+    buffer beside them; resident blocks stay in the compute dtype."""
     w = layout.world
     shard = math.ceil(tokens / layout.sp)
     per_node = math.ceil(w / nodes)
@@ -441,11 +466,13 @@ def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int
     a, b = p.block_seconds
     compute = (a + b * shard) * crowding / threads
     per_block = p.block_bytes / p.num_blocks
+    sizes = stored_sizes(p, weights_dtype)
+    stored_per_block = sizes["block_bytes"] / p.num_blocks
     streamed = p.num_blocks - resident_blocks
     # On the CPU a transfer runs on the cores the compute needs, so it adds to the step rather
     # than hiding behind it: an all-gather costs the bytes a rank receives at the measured rate;
     # a rank-local copy is cheap and already inside the fitted compute.
-    transfer = (p.gather_latency_seconds + per_block * (w - 1) / w * gather_rate
+    transfer = (p.gather_latency_seconds + stored_per_block * (w - 1) / w * gather_rate
                 if mode == "allgather" and w > 1 else 0.0)
     collectives = (1 if transfer else 0) + (4 if layout.sp > 1 else 0)  # per block
     exchange = 0.0
@@ -460,8 +487,10 @@ def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int
     pixels = job.width * job.height * job.num_frames
     overhead = p.prepare_seconds + p.decode_seconds * pixels / max(1, p.decode_pixels)
     latency = job.steps * step + overhead * crowding
-    weights = p.block_bytes + p.nonblock_bytes
-    slots = 2 * p.max_block_bytes if streamed else 0
+    cast = sizes["compute_buffer_bytes"] > 0
+    copies = w if cast and mode == "rank-local" else 1
+    weights = copies * sizes["block_bytes"] + p.nonblock_bytes
+    slots = 2 * sizes["max_block_bytes"] + sizes["compute_buffer_bytes"] if streamed else 0
     host_total = weights + w * (p.framework_bytes + p.per_rank_bytes.get(mode, 0))
     resident = resident_blocks * per_block
     activations = int(1.25 * 2 * shard * (6 * p.activation_bytes_per_token))
@@ -480,7 +509,8 @@ def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int
         step_seconds=step, latency_seconds=latency,
         jobs_per_hour=layout.dp * 3600 / latency if latency > 0 else 0.0,
         compute_seconds=compute * p.num_blocks, transfer_seconds=transfer * streamed,
-        exchange_seconds=(exchange + waits) * p.num_blocks, notes=notes)
+        exchange_seconds=(exchange + waits) * p.num_blocks, weights_dtype=weights_dtype,
+        notes=notes)
 
 
 def layouts_of(world: int, heads: int | None = None) -> list[Layout]:
@@ -499,20 +529,25 @@ class Plan:
 
 def plan(p: Profile, world: int, job: JobShape, *, tokens: int, heads: int | None = None,
          device_budget: int | None = None, nodes: int = 1,
-         inter_node_bytes_per_second: float = 25e9 / 8) -> Plan:
+         inter_node_bytes_per_second: float = 25e9 / 8,
+         weights_dtype: str = "checkpoint") -> Plan:
     """Every layout of ``world`` ranks (over ``nodes`` machines) in both modes, the best for one
-    job's latency and for jobs per hour, and why in words."""
+    job's latency and for jobs per hour, and why in words; the blocks kept and moved in
+    ``weights_dtype`` (`predict`)."""
     per_block = p.block_bytes / p.num_blocks
+    sizes = stored_sizes(p, weights_dtype)
     preds = []
     for layout in layouts_of(world, heads):
         for mode in MODES:
             resident = 0
             if device_budget:
-                room = device_budget - 2 * p.max_block_bytes
+                room = (device_budget - 2 * sizes["max_block_bytes"]
+                        - sizes["compute_buffer_bytes"])
                 resident = min(p.num_blocks, max(0, int(room // per_block)))
             preds.append(predict(p, layout, mode, job, tokens=tokens, resident_blocks=resident,
                                  nodes=nodes,
-                                 inter_node_bytes_per_second=inter_node_bytes_per_second))
+                                 inter_node_bytes_per_second=inter_node_bytes_per_second,
+                                 weights_dtype=weights_dtype))
     fast = min(preds, key=lambda x: (x.latency_seconds, x.host_bytes))
     many = max(preds, key=lambda x: (x.jobs_per_hour, -x.host_bytes))
     return Plan(predictions=preds, best_latency=fast, best_throughput=many,
@@ -536,7 +571,7 @@ def summary(p: Prediction) -> dict[str, Any]:
             "step_seconds": round(p.step_seconds, 4),
             "latency_seconds": round(p.latency_seconds, 4),
             "jobs_per_hour": round(p.jobs_per_hour, 1), "host_bytes": p.host_bytes,
-            "device_bytes": p.device_bytes}
+            "device_bytes": p.device_bytes, "weights_dtype": p.weights_dtype}
 
 
 def _why_latency(best: Prediction, preds: list[Prediction]) -> str:

@@ -651,6 +651,19 @@ class DLOHandle:
                                                           for lay in self._layouts),
                 "stored_block_bytes": sum(st.padded_bytes for st in self._stored)}
 
+    def stored_sizes(self, weights_dtype: str) -> dict[str, int]:
+        """What this model's blocks would take kept in ``weights_dtype`` (this handle's shard
+        count), without building anything: all blocks unsharded, the largest (a slot), and the
+        compute buffer a cast streamed block needs (0 when nothing is cast)."""
+        check_weights_dtype(weights_dtype)
+        stored = [stored_layout(lay, weights_dtype, self.config.shard_count)
+                  for lay in self._layouts]
+        return {"block_bytes": sum(st.padded_bytes for st in stored),
+                "max_block_bytes": max(st.padded_bytes for st in stored),
+                "compute_buffer_bytes": max((upcast_plan(lay, st)[1] for lay, st
+                                             in zip(self._layouts, stored, strict=True)
+                                             if st is not lay), default=0)}
+
     @property
     def bytes_moved(self) -> tuple[int, int]:
         """(bytes this rank copied into block buffers, bytes of the blocks its all-gathers

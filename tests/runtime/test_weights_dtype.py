@@ -268,3 +268,58 @@ def test_an_unknown_weights_dtype_is_refused_before_anything_starts(command: str
     result = CliRunner().invoke(app, [command, *extra, "--weights-dtype", "fp4"])
     assert result.exit_code == 2
     assert "must be checkpoint, bf16, fp8, got 'fp4'" in result.output
+
+
+def _profile(**sizes: dict[str, int]) -> Any:
+    from runtime.planner import Profile, checkpoint_fingerprint, machine_description
+
+    gb = 10**9
+    return Profile(
+        model="kiln-tiny", machine=machine_description(),
+        checkpoint=checkpoint_fingerprint("kiln-tiny"), created_at=0.0, cores=8,
+        num_blocks=10, max_block_bytes=gb // 10, block_bytes=gb, nonblock_bytes=gb // 100,
+        width_tokens=(100, 400), block_seconds=(0.01, 0.001), gather_seconds_per_byte=1e-9,
+        gather_latency_seconds=0.0, all_to_all_seconds_per_byte=1e-9,
+        all_to_all_latency_seconds=1e-4, activation_bytes_per_token=8192, prepare_seconds=0.1,
+        decode_seconds=0.2, decode_pixels=64 * 64 * 9, framework_bytes=300_000_000,
+        per_rank_bytes={"allgather": 100_000_000, "rank-local": 50_000_000},
+        crowded_collective_seconds=0.02, stored_sizes=sizes)
+
+
+def test_the_planner_sizes_host_memory_slots_and_gathers_from_the_stored_dtype():
+    from runtime.planner import JobShape, plan, predict
+    from runtime.sequence import Layout
+
+    gb = 10**9
+    bf16 = {"block_bytes": gb // 2, "max_block_bytes": gb // 20, "compute_buffer_bytes": gb // 10}
+    p = _profile(bf16=bf16)
+    job = JobShape()
+    fp32, half = (predict(p, Layout(dp=2), mode, job, tokens=400, weights_dtype=d)
+                  for mode, d in (("allgather", "checkpoint"), ("allgather", "bf16")))
+    assert fp32.host_bytes - half.host_bytes == gb // 2  # the shards hold the blocks once
+    assert half.transfer_seconds == pytest.approx(fp32.transfer_seconds / 2)
+    # Two slots of the stored block and a compute buffer, against two fp32 slots.
+    assert fp32.device_bytes - half.device_bytes == 2 * gb // 10 - (2 * gb // 20 + gb // 10)
+    local = predict(p, Layout(dp=2), "rank-local", job, tokens=400, weights_dtype="bf16")
+    shared = predict(p, Layout(dp=2), "rank-local", job, tokens=400)
+    # Rank-local and cast: each rank its own copy, where fp32 shares the checkpoint's mapping.
+    assert local.host_bytes - shared.host_bytes == 2 * gb // 2 - gb
+    chosen = plan(p, 2, job, tokens=400, weights_dtype="bf16").best_throughput
+    assert chosen.weights_dtype == "bf16"
+    with pytest.raises(ValueError, match="no figures for weights dtype 'fp8'"):
+        predict(p, Layout(dp=2), "allgather", job, tokens=400, weights_dtype="fp8")
+
+
+def test_a_handle_sizes_its_blocks_in_every_weights_dtype():
+    model = build_tiny()
+    handle = apply_dlo(model.transformer, device="cpu", weights_dtype="fp8")
+    try:
+        figures = handle.weight_figures()
+        assert handle.stored_sizes("fp8")["block_bytes"] == figures["stored_block_bytes"]
+        assert handle.stored_sizes("checkpoint") == {
+            "block_bytes": figures["model_bytes"] - handle.stats()["resident_bytes"],
+            "max_block_bytes": handle.stats()["max_block_bytes"], "compute_buffer_bytes": 0}
+        assert handle.stored_sizes("bf16")["block_bytes"] * 2 == \
+            handle.stored_sizes("checkpoint")["block_bytes"]
+    finally:
+        handle.close()
