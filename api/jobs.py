@@ -338,7 +338,8 @@ def job_public(job: Job, *, queue_position: int | None = None,
         resumed_from_step=job.resumed_from_step, preemptions=job.preemptions or 0,
         cancel_requested=job.cancel_requested, created_at=job.created_at,
         started_at=job.started_at, finished_at=job.finished_at,
-        render_seconds=job.render_seconds,
+        render_seconds=job.render_seconds, input_file_id=job.input_file_id,
+        fit=job.input_fit, strength=job.strength,  # type: ignore[arg-type]
         video_url=f"/v1/jobs/{job.id}/video" if done and job.output_video_key else None,
         thumbnail_url=(f"/v1/jobs/{job.id}/thumbnail"
                        if done and job.output_thumbnail_key else None),

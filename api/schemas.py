@@ -237,6 +237,14 @@ class JobPublic(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     render_seconds: float | None
+    input_file_id: str | None = Field(
+        default=None, description="the upload the render starts from (GET /v1/jobs/{id}/input "
+                                  "serves it); null: text only, or the file was deleted")
+    fit: Literal["crop", "pad", "stretch"] | None = Field(
+        default=None, description="how the input is fitted to width x height; null without one")
+    strength: float | None = Field(
+        default=None, description="video-to-video: how far the render moves from the input "
+                                  "video; null: the model's default")
     video_url: str | None
     thumbnail_url: str | None
     has_audio: bool | None = Field(

@@ -32,7 +32,7 @@ from api import batch_page, job_page
 from api.deps import BearerDep, CurrentUser, SessionDep, get_current_user
 from api.routes.jobs import JobId, visible_job
 from storage import queries, stats, webhooks, workers
-from storage.tables import JobState, User, utcnow
+from storage.tables import InputFile, JobState, User, utcnow
 
 router = APIRouter(tags=["dashboard"])
 
@@ -140,7 +140,9 @@ def _render_job(session: Session, job_id: str, user: User) -> str:
         row = session.get(User, job.owner_id)
         owner = row.name if row else None
     deliveries = webhooks.delivery_log(session, job.id) if job.webhook_url else None
-    main = job_page.render_main(job, events, names, owner=owner, deliveries=deliveries)
+    input_file = session.get(InputFile, job.input_file_id) if job.input_file_id else None
+    main = job_page.render_main(job, events, names, owner=owner, deliveries=deliveries,
+                                input_file=input_file)
     session.commit()  # ends the read transaction in this thread
     return main
 

@@ -19,7 +19,7 @@ from common.settings import Settings
 from scheduler import queue_index
 from storage import input_files, lifecycle, queries
 from storage.outputs import OutputStore, preview_key, preview_step
-from storage.tables import Job, JobClass, JobState, User
+from storage.tables import InputFile, Job, JobClass, JobState, User
 
 # Job bodies are parsed by FastAPI itself; the route class bounds their nesting first.
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=DepthCheckedRoute)
@@ -143,10 +143,16 @@ def serve_output(store: OutputStore, job: Job, which: str) -> Response:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"this job has no {which}")
     media_type = "video/mp4" if which == "video" else "image/png"
     filename = f"{job.id}.{'mp4' if which == 'video' else 'png'}"
+    return _serve_stored(store, key, media_type, filename, which)
+
+
+def _serve_stored(store: OutputStore, key: str, media_type: str, filename: str,
+                  what: str) -> Response:
+    """The store's file under ``key``: the file itself, or a redirect to a presigned URL."""
     path = store.local_path(key)
     if path is not None:
         if not path.is_file():
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"the {which} file is missing")
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"the {what} file is missing")
         return FileResponse(path, media_type=media_type, filename=filename)
     url = store.url(key)
     if url is not None:
@@ -154,7 +160,7 @@ def serve_output(store: OutputStore, job: Job, which: str) -> Response:
     try:
         stream = store.open(key)
     except FileNotFoundError as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"the {which} file is missing") from exc
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"the {what} file is missing") from exc
     return StreamingResponse(stream, media_type=media_type)
 
 
@@ -170,6 +176,26 @@ def get_video(job_id: JobId, user: CurrentUser, session: SessionDep,
 def get_thumbnail(job_id: JobId, user: CurrentUser, session: SessionDep,
                   store: StoreDep) -> Response:
     return serve_output(store, visible_job(session, job_id, user), "thumbnail")
+
+
+@router.get("/{job_id}/input", response_class=Response,
+            responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {},
+                                         "video/mp4": {}, "video/webm": {}}},
+                       404: {"description": "The job started from text only, or its input "
+                                            "file was deleted"}})
+def get_input(job_id: JobId, user: CurrentUser, session: SessionDep,
+              store: StoreDep) -> Response:
+    """The upload the job starts from (its ``input_file_id``), as it was uploaded: to whoever
+    may see the job, its owner's file included for an admin (``GET /v1/files`` shows a user
+    only their own)."""
+    job = visible_job(session, job_id, user)
+    row = session.get(InputFile, job.input_file_id) if job.input_file_id else None
+    if row is None:
+        reason = ("its input file was deleted" if job.input_fit is not None
+                  else "it starts from text only")
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"this job has no input: {reason}")
+    return _serve_stored(store, row.storage_key, row.content_type, row.filename or row.id,
+                         "input")
 
 
 @router.get("/{job_id}/preview", response_class=Response,

@@ -6,8 +6,10 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
+from media_files import png, video
+
 from storage import lifecycle, webhooks
-from storage.tables import utcnow
+from storage.tables import Job, utcnow
 from storage.workers import GroupReport, report_group
 
 JOB = {"prompt": "a <b>red</b> circle", "width": 64, "height": 64, "num_frames": 9,
@@ -141,3 +143,67 @@ def test_a_job_with_a_webhook_shows_each_delivery_attempt(api) -> None:  # noqa:
     plain = _submit(api)
     assert "Webhook deliveries" not in api.client.get(
         f"/dashboard/jobs/{plain}", headers=api.auth("alice")).text
+
+
+def test_a_job_shows_the_image_or_video_it_starts_from(api) -> None:  # noqa: ANN001
+    image = png(40, 24)
+    r = api.client.post("/v1/files", headers=api.auth("alice"), data={"purpose": "vision"},
+                        files={"file": ("start<1>.png", image, "image/png")})
+    assert r.status_code == 201, r.text
+    file_id = r.json()["id"]
+    r = api.client.post("/v1/jobs", json={**JOB, "input_file_id": file_id, "fit": "pad"},
+                        headers=api.auth("alice"))
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert (job["input_file_id"], job["fit"], job["strength"]) == (file_id, "pad", None)
+    page = api.client.get(f"/dashboard/jobs/{job['id']}", headers=api.auth("alice")).text
+    src = f"/v1/jobs/{job['id']}/input"
+    section = page[page.index('<section id="input">'):]
+    section = section[:section.index("</section>")]
+    # Fetched with the key by job_page.js, like the outputs: data-src, not src.
+    assert (f'<img class="thumb large" data-src="{src}" alt="input image" width="40" '
+            'height="24">') in section
+    assert "start&lt;1&gt;.png · image, 40×24</figcaption>" in section
+    assert f'<th>input</th><td><span class="mono">{file_id}</span> (image)</td>' in page
+    assert "<th>fit</th><td>pad</td>" in page and "<th>strength</th>" not in page
+    # The file as uploaded, to whoever may see the job: its owner and an admin.
+    for who in ("alice", "root"):
+        r = api.client.get(src, headers=api.auth(who))
+        assert (r.status_code, r.content, r.headers["content-type"]) == (200, image, "image/png")
+    assert api.client.get(src, headers=api.auth("bob")).status_code == 404
+
+    # A video to restyle, with a strength (set on the row: the test models take images only).
+    r = api.client.post("/v1/files", headers=api.auth("alice"), data={"purpose": "video"},
+                        files={"file": ("clip.mp4", video(), "video/mp4")})
+    assert r.status_code == 201, r.text
+    clip = r.json()
+    with api.session() as s:
+        row = s.get(Job, job["id"])
+        row.input_file_id, row.input_fit, row.strength = clip["id"], "crop", 0.6
+        s.commit()
+    assert api.client.get(f"/v1/jobs/{job['id']}", headers=api.auth("alice")).json()[
+        "strength"] == 0.6
+    page = api.client.get(f"/dashboard/jobs/{job['id']}", headers=api.auth("alice")).text
+    assert f'<video controls muted preload="metadata" data-src="{src}"' in page
+    assert "clip.mp4 · video, 16×16, 9 frames</figcaption>" in page
+    assert "<th>fit</th><td>crop</td>" in page and "<th>strength</th><td>0.6</td>" in page
+    r = api.client.get(src, headers=api.auth("alice"))
+    assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+
+    # Deleted: the job keeps its fit and says the file is gone; the route says so too.
+    assert api.client.delete(f"/v1/files/{clip['id']}",
+                             headers=api.auth("alice")).status_code == 200
+    page = api.client.get(f"/dashboard/jobs/{job['id']}", headers=api.auth("alice")).text
+    assert 'id="input"' not in page
+    assert '<th>input</th><td><span class="dim">the file was deleted</span></td>' in page
+    r = api.client.get(src, headers=api.auth("alice"))
+    assert r.status_code == 404 and "deleted" in r.json()["error"]["message"]
+
+    # A job from text alone shows no input at all.
+    plain = _submit(api)
+    page = api.client.get(f"/dashboard/jobs/{plain}", headers=api.auth("alice")).text
+    assert 'id="input"' not in page and "<th>input</th>" not in page
+    assert api.client.get(f"/v1/jobs/{plain}", headers=api.auth("alice")).json()[
+        "input_file_id"] is None
+    r = api.client.get(f"/v1/jobs/{plain}/input", headers=api.auth("alice"))
+    assert r.status_code == 404 and "text only" in r.json()["error"]["message"]
