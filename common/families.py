@@ -104,7 +104,9 @@ TINY = Family(
 # Wan2.1 and Wan2.2 T2V: ``WanPipeline.__call__``'s defaults (832x480, 81 frames, 50 steps,
 # guidance 5) at the 16 fps of its examples; ``check_inputs`` wants sizes divisible by 16;
 # ``AutoencoderKLWan``: scale_factor_spatial 8, scale_factor_temporal 4;
-# ``WanTransformer3DModel``: patch_size (1, 2, 2).
+# ``WanTransformer3DModel``: patch_size (1, 2, 2). Wan2.1 also renders video-to-video, as
+# ``WanVideoToVideoPipeline`` does with the same directory (which runs one transformer: a
+# Wan2.2 checkpoint takes no video, `checkpoint_family`).
 WAN = Family(
     name="wan", diffusers_classes=("WanPipeline",), pipeline="WanVideoPipeline",
     defaults=RequestDefaults(width=832, height=480, num_frames=81, fps=16,
@@ -113,6 +115,7 @@ WAN = Family(
     vae_scale_factor_spatial=8, vae_scale_factor_temporal=4,
     max_tokens=75_600,  # its largest released setting: 1280x720, 81 frames
     sequence_parallel=True,
+    inputs=frozenset({"video"}),
 )
 # Wan image-to-video: Wan2.1 I2V (480P, 720P; a CLIP image encoder) and FLF2V (first and last
 # frame), and Wan2.2 I2V-A14B (two experts, no image encoder), all ``WanImageToVideoPipeline``,
@@ -129,6 +132,7 @@ WAN_I2V = Family(
     vae_scale_factor_spatial=8, vae_scale_factor_temporal=4,
     max_tokens=75_600,  # its largest released setting: 1280x720, 81 frames
     inputs=frozenset({"image"}),
+    needs_input=True,
 )
 # CogVideoX: ``CogVideoXPipeline.__call__``'s defaults (the transformer's sample size 90x60
 # latents times the VAE's 8: 720x480; 49 frames, 50 steps, guidance 6) at the 8 fps of its
@@ -291,6 +295,15 @@ def _wan_geometry(model: str, family: Family) -> dict[str, Any]:
                                                           strict=True))}
 
 
+def _wan_t2v_geometry(model: str, family: Family) -> dict[str, Any]:
+    # Video-to-video follows ``WanVideoToVideoPipeline``, which runs one transformer without
+    # per-token timesteps: Wan2.1's, not Wan2.2's two experts (``boundary_ratio``) nor TI2V-5B
+    # (``expand_timesteps``).
+    index = model_index(model)
+    wan22 = index.get("boundary_ratio") is not None or bool(index.get("expand_timesteps"))
+    return _wan_geometry(model, family) | ({"inputs": frozenset()} if wan22 else {})
+
+
 def _cogvideox_geometry(model: str, family: Family) -> dict[str, Any]:
     # ``CogVideoXPipeline``: 2 ** (VAE blocks - 1) in space, the VAE's
     # temporal_compression_ratio in time; the transformer's patch_size, and patch_size_t
@@ -319,7 +332,7 @@ def _cosmos3_geometry(model: str, family: Family) -> dict[str, Any]:
             "patch_size": (1, patch, patch), "size_multiple": max(family.size_multiple, spatial)}
 
 
-_GEOMETRY = {WAN.name: _wan_geometry, WAN_I2V.name: _wan_geometry,
+_GEOMETRY = {WAN.name: _wan_t2v_geometry, WAN_I2V.name: _wan_geometry,
              COGVIDEOX.name: _cogvideox_geometry,
              COSMOS3.name: _cosmos3_geometry}
 
@@ -330,7 +343,8 @@ def checkpoint_family(model: str) -> Family:
     its transformer's patch), read as the runtime reads them from the loaded model: sizes are
     multiples of the larger of the family's ``size_multiple`` and VAE factor x patch, and a clip
     has 1 + k x the VAE's time factor frames. Wan2.2 TI2V-5B (a VAE of 16 in space): multiples
-    of 32. A missing or unreadable config keeps the family's numbers (diffusers' defaults)."""
+    of 32. A missing or unreadable config keeps the family's numbers (diffusers' defaults). A
+    Wan2.2 text-to-video checkpoint takes no video (``_wan_t2v_geometry``)."""
     family = family_of(model)
     read = _GEOMETRY.get(family.name)
     if read is None:

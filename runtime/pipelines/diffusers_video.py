@@ -33,9 +33,11 @@ from typing import Any, ClassVar
 
 import diffusers
 import diffusers.utils.logging as dlog
+import PIL.Image
 import torch
 import transformers.utils.logging as tlog
 from diffusers import CogVideoXDPMScheduler
+from diffusers.utils.torch_utils import randn_tensor
 
 from common.families import COGVIDEOX, FAMILIES, WAN, Family, family_of, model_index
 from runtime.budget import AUTO, DeviceBudget, activation_bytes, resolve_budget
@@ -301,6 +303,11 @@ class WanVideoPipeline(DiffusersVideoPipeline):
     """Wan2.1 / Wan2.2 T2V: CFG as one batch-2 forward ([conditional, unconditional]); with
     ``cfg_batch=False`` as two batch-1 forwards (conditional, then unconditional), as the
     reference pipeline runs it. Wan2.2 gathers only the expert its step needs (``handles_needed``).
+
+    With a video (``request.conditioning.video``), Wan2.1 renders video-to-video as
+    ``WanVideoToVideoPipeline`` does (`_video_latents`): the clip's latents noised as far as
+    ``strength`` says (1.0: from the top of the schedule; 0.5: from halfway down), and the
+    steps from there.
     """
 
     family = WAN
@@ -325,23 +332,91 @@ class WanVideoPipeline(DiffusersVideoPipeline):
         dtype = self.transformers[0]._kiln_dtype
         scheduler = self._own_scheduler()
         scheduler.set_timesteps(r.num_inference_steps, device=self.device)
-        scheduler.set_begin_index(0)
-        latents = p.prepare_latents(1, p.transformer.config.in_channels, r.height, r.width,
-                                    r.num_frames, torch.float32, self.device,
-                                    self._generator(r.seed))
+        video = self._video(r)
+        if video is None:
+            scheduler.set_begin_index(0)
+            latents = p.prepare_latents(1, p.transformer.config.in_channels, r.height, r.width,
+                                        r.num_frames, torch.float32, self.device,
+                                        self._generator(r.seed))
+            first_step, num_steps = 0, r.num_inference_steps
+        else:
+            latents, first_step = self._video_latents(r, video, scheduler)
+            num_steps = len(scheduler.timesteps) - first_step
         ratio = p.config.boundary_ratio
         extra = {
             "cond": cond.to(dtype), "uncond": uncond.to(dtype) if cfg else None,
-            "scheduler": scheduler,
+            "scheduler": scheduler, "first_step": first_step,
             "boundary": None if ratio is None else ratio * scheduler.config.num_train_timesteps,
         }
-        return DenoiseState(request=r, latents=latents,
-                            num_inference_steps=r.num_inference_steps, extra=extra)
+        return DenoiseState(request=r, latents=latents, num_inference_steps=num_steps,
+                            extra=extra)
+
+    def _video(self, r: VideoRequest) -> list[Any] | None:
+        """The request's clip as the PIL frames the reference takes (None: text to video); a
+        ValueError for an input this loop does not render from."""
+        c = r.conditioning
+        if c is None:
+            return None
+        if c.image is not None or c.last_image is not None:
+            raise ValueError(f"{self.family.name} renders from text or a video, not from an "
+                             "image (an image-to-video model does)")
+        if c.video is None:
+            return None
+        if len(self.transformers) > 1 or self.pipe.config.expand_timesteps:
+            raise ValueError("video-to-video renders Wan2.1 models (one transformer, as "
+                             "WanVideoToVideoPipeline runs), not Wan2.2's")
+        want = (r.num_frames, r.height, r.width, 3)
+        if c.video.dtype != torch.uint8 or tuple(c.video.shape) != want:
+            raise ValueError(f"the video must be uint8 {list(want)}: the request's frames at its "
+                             f"size; got {c.video.dtype} {list(c.video.shape)}")
+        return [PIL.Image.fromarray(frame) for frame in c.video.detach().cpu().numpy()]
+
+    def _video_latents(self, r: VideoRequest, video: list[Any],
+                       scheduler: Any) -> tuple[torch.Tensor, int]:
+        """``WanVideoToVideoPipeline``'s start: the steps ``strength`` (default 0.8, its own)
+        leaves of the schedule (``get_timesteps``: the first ``num_inference_steps - int(steps x
+        strength)`` are skipped), and the latents: the VAE's mode of the clip, normalised, then
+        noised by the scheduler to the first remaining timestep. Returns (latents, index of
+        the first step run)."""
+        p = self.pipe
+        c = r.conditioning
+        assert c is not None
+        strength = 0.8 if c.strength is None else c.strength
+        steps = r.num_inference_steps
+        skipped = steps - min(int(steps * strength), steps)
+        if skipped >= steps:
+            raise ValueError(f"strength {strength} of {steps} steps runs no step; it must be "
+                             f"at least {1 / steps:.3g}")
+        first_step = skipped * scheduler.order
+        pixels = p.video_processor.preprocess_video(video, height=r.height, width=r.width).to(
+            self.device, dtype=torch.float32)
+        vae = p.vae
+        z = vae.config.z_dim
+        encoded = vae.encode(pixels[0].unsqueeze(0).to(self.device, dtype=vae.dtype))
+        init = encoded.latent_dist.mode().to(torch.float32)
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(self.device,
+                                                                          torch.float32)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(
+            self.device, torch.float32)
+        init = (init - mean) * inv_std
+        spatial = p.vae_scale_factor_spatial
+        shape = (1, p.transformer.config.in_channels,
+                 (r.num_frames - 1) // p.vae_scale_factor_temporal + 1, r.height // spatial,
+                 r.width // spatial)
+        noise = randn_tensor(shape, generator=self._generator(r.seed), device=self.device,
+                             dtype=torch.float32)
+        start = scheduler.timesteps[first_step:first_step + 1]
+        return scheduler.add_noise(init, noise, start), first_step
+
+    def _timestep(self, state: DenoiseState) -> torch.Tensor:
+        """The timestep of the job's next step (video-to-video starts part-way down)."""
+        x = state.extra
+        return x["scheduler"].timesteps[x.get("first_step", 0) + state.step_index]
 
     def _expert(self, state: DenoiseState) -> int:
         """The transformer the job's next step runs: Wan2.2's high-noise expert at timesteps at
         or above the boundary, the low-noise one below (Wan2.1: its one transformer)."""
-        t = state.extra["scheduler"].timesteps[state.step_index]
+        t = self._timestep(state)
         boundary = state.extra["boundary"]
         return 0 if boundary is None or t >= boundary else 1
 
@@ -352,7 +427,7 @@ class WanVideoPipeline(DiffusersVideoPipeline):
     @torch.no_grad()
     def _denoise(self, state: DenoiseState) -> None:
         x, scheduler = state.extra, state.extra["scheduler"]
-        t = scheduler.timesteps[state.step_index]
+        t = self._timestep(state)
         expert = self._expert(state)
         model = self.transformers[expert]
         self._complete_handles_before(expert)  # same handle order on every rank
