@@ -11,7 +11,9 @@ with ``A`` (``lora_A``, ``[rank, in]``), ``B`` (``lora_B``, ``[out, rank]``), th
 ``bias_B`` (peft's ``lora_bias``), ``alpha`` and ``rank`` of that module (``alpha / sqrt(rank)``
 with rsLoRA) and the job's ``weight`` for the adapter: the term peft's ``lora.Linear`` adds after
 diffusers' ``load_lora_weights`` and ``set_adapters(names, weights)``, in the same order of
-operations. The gathers of a step are the same with or without adapters.
+operations and in the same dtype (the Linear's), so the output is peft's bit for bit (fp32 and
+bf16, tests/runtime/test_adapters.py). The gathers of a step are the same with or without
+adapters.
 
 - `load_adapter` reads a ``.safetensors`` LoRA in any layout diffusers' loader of the family
   accepts (its own ``lora_state_dict`` normalises the keys) and checks it against the
@@ -82,7 +84,8 @@ class LoraLayer:
 
     def on(self, device: torch.device,
            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(A, B, bias) on ``device`` in ``dtype``; copied once per device and dtype."""
+        """(A, B, bias) on ``device`` in ``dtype`` (the adapted Linear's, as diffusers loads a
+        LoRA into a model); copied once per device and dtype."""
         placed = self._placed.get((device, dtype))
         if placed is None:
             bias = None if self.up_bias is None else self.up_bias.to(device, dtype)
@@ -321,12 +324,15 @@ def _hook(target: str, module_name: str) -> Any:
         active = _ACTIVE.get()
         if not active:
             return None
-        x = args[0]
+        # As peft's lora.Linear: the factors in the layer's dtype, the input cast to it, the sum
+        # ``result + lora_B(lora_A(x)) * scaling`` per adapter, cast back to the result's dtype.
+        dtype = module.weight.dtype
+        x = args[0] if args[0].dtype == dtype else args[0].to(dtype)
+        result_dtype = output.dtype
         for adapter, weight in active:
             layer = adapter.layers.get(module_name) if adapter.target == target else None
             if layer is not None:
-                down, up, bias = layer.on(x.device, x.dtype)
-                # peft's lora.Linear: result + lora_B(lora_A(x)) * scaling.
+                down, up, bias = layer.on(x.device, dtype)
                 output = output + F.linear(F.linear(x, down), up, bias) * layer.scaling(weight)
-        return output
+        return output.to(result_dtype)
     return add_low_rank

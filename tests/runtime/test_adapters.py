@@ -15,9 +15,11 @@ that an adapter visibly changes the video.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import diffusers
@@ -28,7 +30,13 @@ from multirank import run_ranks
 from test_gathers_per_step import _record_steps
 from test_pipeline_diffusers import REQUESTS, WAN_ATOL
 
-from runtime.adapters import LOADERS, load_adapter, named_transformers, remove_adapter_hooks
+from runtime.adapters import (
+    LOADERS,
+    load_adapter,
+    named_transformers,
+    remove_adapter_hooks,
+    use_adapters,
+)
 from runtime.models.synthetic import SyntheticSpec, build_components, make_checkpoint
 from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.minimax_h3 import t2v_blocks
@@ -140,6 +148,27 @@ def test_wan_with_an_adapter_and_batched_cfg_is_within_the_cfg_batching_toleranc
     finally:
         pipe.close()
     np.testing.assert_allclose(frames, reference_frames(wan, {"a": 0.7}), rtol=0, atol=WAN_ATOL)
+
+
+def test_in_bf16_the_low_rank_term_is_peft_s_bit_for_bit(wan):
+    # A bf16 transformer: diffusers loads the fp32 factors into bf16 LoRA layers; kiln casts
+    # them to the adapted Linear's dtype alike, and adds the term in the same order.
+    model = build_components(dataclasses.replace(WAN, dtype=torch.bfloat16))["transformer"]
+    hooked = copy.deepcopy(model)
+    adapter = load_adapter(wan["a"], "wan", {"transformer": hooked})
+    model.load_lora_adapter(str(wan["a"]), prefix="transformer", adapter_name="a",
+                            use_safetensors=True)
+    model.set_adapters(["a"], [0.7])
+    g = torch.Generator().manual_seed(0)
+    inputs = {"hidden_states": torch.randn(1, 16, 3, 8, 8, generator=g).bfloat16(),
+              "encoder_hidden_states": torch.randn(1, 12, 32, generator=g).bfloat16(),
+              "timestep": torch.tensor([500.0]), "return_dict": False}
+    pipe = SimpleNamespace(pipe=SimpleNamespace(transformer=hooked))  # what use_adapters reads
+    with torch.no_grad(), use_adapters(pipe, [(adapter, 0.7)]):
+        out = hooked(**inputs)[0]
+    with torch.no_grad():
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, model(**inputs)[0])
 
 
 def test_wan22_experts_each_take_their_own_adapter_as_diffusers_loads_them(wan, tmp_path):
