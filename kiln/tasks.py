@@ -156,6 +156,33 @@ def _setup_logging(loglevel: int | None = None, **_: Any) -> None:
     logs.configure(level, settings.log_format, process="celery")
 
 
+# What a task is about, from its arguments: every line logged while it runs carries it,
+# Celery's own "succeeded" and "retry" lines included (they come before task_postrun).
+_ABOUT: dict[str, Callable[[tuple[Any, ...]], dict[str, object]]] = {
+    "kiln.deliver_webhook": lambda args: {"job": args[0]},
+    "kiln.deliver_batch_webhook": lambda args: {"batch": args[0]},
+    "kiln.deliver_event": lambda args: {"job": json.loads(args[3])["data"]["id"]},
+}
+_running: dict[str, contextlib.ExitStack] = {}  # task id -> its `logs.bound` block
+
+
+@signals.task_prerun.connect
+def _bind_task(task_id: str, task: Task, args: tuple[Any, ...] = (), **_: Any) -> None:
+    about = _ABOUT.get(task.name)
+    if about is None:
+        return
+    block = contextlib.ExitStack()
+    block.enter_context(logs.bound(**about(args)))
+    _running[task_id] = block
+
+
+@signals.task_postrun.connect
+def _unbind_task(task_id: str, **_: Any) -> None:
+    block = _running.pop(task_id, None)
+    if block is not None:
+        block.close()
+
+
 # ---- the work, as plain functions ---------------------------------------------------------------
 
 @dataclass(kw_only=True)

@@ -1,7 +1,7 @@
 """One job followed through the logs of `kiln up`'s processes by its id: under ``kiln
 --log-format json up`` the API's log has its submit, the worker's its claim, its steps, its
-stored files and its end (each line with the rank), Celery's its webhook, every line a JSON
-object with a UTC timestamp."""
+stored files and its end (each line with the rank), Celery's its webhook (Celery's own line
+for the task too), every line a JSON object with a UTC timestamp."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def _followed(life: dict[str, list[str]]) -> bool:
                 "kiln.coordinator 0 claimed", "runtime.rank_loop 0 taken: 2 steps",
                 "runtime.rank_loop 0 step 1 of 2", "runtime.rank_loop 0 step 2 of 2",
                 "runtime.rank_loop 0 stored: ", "kiln.coordinator 0 ended"))
-            and "kiln.tasks None webhook job.succeeded delivered to 127.0.0.1:" in text["celery"])
+            and "kiln.tasks None webhook job.succeeded delivered to 127.0.0.1:" in text["celery"]
+            and "celery.app.trace None Task kiln.deliver_webhook[" in text["celery"])
 
 
 @pytest.mark.chaos

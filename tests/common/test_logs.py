@@ -1,6 +1,7 @@
 """kiln's one logging configuration (`common.logs`): a text or JSON line carries a UTC timestamp,
 the level, the logger and whose work it is (rank, job, attempt, and the line's own fields), from
-the process, a `bound` block or the line itself; Celery's worker logs through it.
+the process, a `bound` block or the line itself; Celery's worker logs through it, with the job of
+the task it runs.
 
 The whole configuration is applied only in child processes: `logging.config.dictConfig` closes
 every handler of the process it runs in, pytest's own included."""
@@ -115,16 +116,23 @@ def test_configure_keeps_the_loggers_made_before_it_and_quiets_url_loggers() -> 
         "INFO kiln.worker rank=3 launcher line", "INFO uvicorn.error rank=3 Started server process"]
 
 
-def test_celery_logs_through_kilns_configuration_not_its_own() -> None:
+def test_celery_logs_through_kilns_configuration_with_the_job_of_the_running_task() -> None:
     lines = _run("import logging\n"
-                 "from kiln.tasks import app\n"
+                 "from celery import signals\n"
+                 "from kiln.tasks import app, deliver_webhook\n"
                  "app.log.setup(loglevel='INFO')\n"
                  "assert len(logging.getLogger().handlers) == 1\n"
                  "logging.getLogger('celery.worker.strategy').info('Task received')\n"
-                 "from common import logs\n"
-                 "logging.getLogger('kiln.tasks').info('webhook delivered', "
-                 "extra=logs.fields(job='j1'))\n"
-                 "logging.getLogger('kiln.tasks').debug('not shown')\n")
+                 "signals.task_prerun.send(deliver_webhook, task_id='t1', "
+                 "task=deliver_webhook, args=('j1',))\n"
+                 "logging.getLogger('kiln.tasks').info('webhook delivered')\n"
+                 "logging.getLogger('kiln.tasks').debug('not shown')\n"
+                 "logging.getLogger('celery.app.trace').info('Task succeeded')\n"
+                 "signals.task_postrun.send(deliver_webhook, task_id='t1', "
+                 "task=deliver_webhook)\n"
+                 "logging.getLogger('celery.app.trace').info('after it')\n")
     assert [_rest(line) for line in lines] == [
         "INFO celery.worker.strategy Task received",
-        "INFO kiln.tasks job=j1 webhook delivered"]
+        "INFO kiln.tasks job=j1 webhook delivered",
+        "INFO celery.app.trace job=j1 Task succeeded",
+        "INFO celery.app.trace after it"]
