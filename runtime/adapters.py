@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 
 #: diffusers' LoRA loader of each family, whose ``lora_state_dict`` normalises a file's keys.
@@ -69,7 +70,7 @@ class LoraLayer:
     # The factors on the device and in the dtype a forward computes in, made on first use.
     _placed: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor,
                                                            torch.Tensor | None]] = field(
-        default_factory=dict, repr=False)
+        default_factory=dict, repr=False, init=False)
 
     @property
     def rank(self) -> int:
@@ -115,15 +116,12 @@ class Adapter:
 _ACTIVE: ContextVar[tuple[tuple[Adapter, float], ...]] = ContextVar("kiln_adapters", default=())
 
 
-def active_adapters() -> tuple[tuple[Adapter, float], ...]:
-    return _ACTIVE.get()
-
-
 @contextlib.contextmanager
 def use_adapters(pipe: Any, adapters: Sequence[tuple[Adapter, float]]) -> Iterator[None]:
     """The forwards inside run with ``adapters`` (``(Adapter, weight)`` pairs, applied in that
-    order) on ``pipe``'s transformers; with none, nothing is installed or set."""
-    if not adapters:
+    order) on ``pipe``'s transformers; with none (and none around), nothing is installed or
+    set."""
+    if not adapters and not _ACTIVE.get():
         yield
         return
     transformers = named_transformers(pipe)
@@ -166,9 +164,12 @@ def load_adapter(path: str | Path, family: str, transformers: Mapping[str, nn.Mo
     if not path.is_file():
         raise ValueError(f"{path}: no such adapter file")
     mixin = getattr(loaders, LOADERS[family])
-    state_dict, metadata = mixin.lora_state_dict(str(path), use_safetensors=True,
-                                                 local_files_only=True,
-                                                 return_lora_metadata=True)
+    try:
+        state_dict, metadata = mixin.lora_state_dict(str(path), use_safetensors=True,
+                                                     local_files_only=True,
+                                                     return_lora_metadata=True)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{path}: not a safetensors LoRA file ({e})") from e
     if not state_dict:
         raise ValueError(f"{path}: no LoRA tensors")
     target, prefix = _target(path, state_dict, transformers, into)
