@@ -444,7 +444,7 @@ class RankLoop:
                             checkpointed_step=state.step_index, checkpointed_at=time.monotonic())
         job = _Job(ticket, self.pipe.prepare(ticket.request), checkpointed_at=time.monotonic())
         if self.leads:
-            log.info("taken: %d steps", ticket.request.num_inference_steps, extra=_about(ticket))
+            log.info("taken: %d steps", job.state.num_inference_steps, extra=_about(ticket))
         return job
 
     def step(self, active: Any = None) -> Rendered | Ended | None:
