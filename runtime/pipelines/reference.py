@@ -9,9 +9,10 @@ from typing import Any
 
 import diffusers
 import numpy as np
+import PIL.Image
 import torch
 
-from common.families import COSMOS3, MINIMAX_H3, family_of, model_index
+from common.families import COSMOS3, MINIMAX_H3, WAN_I2V, family_of, model_index
 from runtime.pipelines.base import VideoRequest
 from runtime.pipelines.minimax_h3 import t2v_blocks
 
@@ -30,9 +31,15 @@ def open_reference(model_dir: str | Path) -> Any:
     return pipe
 
 
+def _pil(pixels: torch.Tensor | None) -> PIL.Image.Image | None:
+    return None if pixels is None else PIL.Image.fromarray(pixels.cpu().numpy())
+
+
 def run_reference(pipe: Any, family: str, request: VideoRequest) -> np.ndarray:
     """``request`` through diffusers' pipeline of ``family`` (a `common.families` name): float
-    frames [N, H, W, 3] in [0, 1]."""
+    frames [N, H, W, 3] in [0, 1]. Its conditioning goes in as the PIL images diffusers'
+    examples pass, at the request's size; a Wan clip goes through ``WanVideoToVideoPipeline``
+    around ``pipe``'s components, as its docs load it from a text-to-video directory."""
     generator = torch.Generator().manual_seed(request.seed)
     size = {"height": request.height, "width": request.width, "num_frames": request.num_frames,
             "num_inference_steps": request.num_inference_steps}
@@ -44,5 +51,18 @@ def run_reference(pipe: Any, family: str, request: VideoRequest) -> np.ndarray:
     if family == COSMOS3.name:
         return pipe(prompt=request.prompt, fps=float(request.fps), generator=generator,
                     output_type="np", **guidance, **size).video
+    c = request.conditioning
+    inputs: dict[str, Any] = {}
+    if family == WAN_I2V.name and c is not None:
+        inputs = {"image": _pil(c.image), "last_image": _pil(c.last_image)}
+    elif c is not None and c.video is not None:
+        pipe = diffusers.WanVideoToVideoPipeline(**{
+            n: pipe.components[n]
+            for n in ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")})
+        pipe.set_progress_bar_config(disable=True)
+        del size["num_frames"]  # the clip's
+        inputs = {"video": [_pil(f) for f in c.video]}
+        if c.strength is not None:
+            inputs["strength"] = c.strength
     return pipe(prompt=request.prompt, generator=generator, output_type="np", **guidance,
-                **size).frames[0]
+                **inputs, **size).frames[0]

@@ -16,7 +16,6 @@ import dataclasses
 import inspect
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -26,6 +25,7 @@ from kiln.cli import app
 from runtime.launch import rank_threads
 from runtime.models.synthetic import SyntheticSpec, build_pipeline, make_checkpoint
 from runtime.pipelines.base import Conditioning, VideoRequest
+from runtime.pipelines.reference import run_reference
 from runtime.pipelines.registry import load_diffusers
 from runtime.pipelines.wan_i2v import WanI2VPipeline
 from runtime.render import generate_on_ranks
@@ -69,16 +69,7 @@ def reference_frames(name: str, r: VideoRequest) -> np.ndarray:
     """diffusers' ``WanImageToVideoPipeline`` on ``r``, from the same in-memory components."""
     pipe = build_pipeline(SPECS[name])
     pipe.set_progress_bar_config(disable=True)
-    c = r.conditioning
-
-    def pil(pixels: torch.Tensor | None) -> PIL.Image.Image | None:
-        return None if pixels is None else PIL.Image.fromarray(pixels.numpy())
-
-    return pipe(image=pil(c.image), last_image=pil(c.last_image), prompt=r.prompt,
-                negative_prompt=r.negative_prompt, height=r.height, width=r.width,
-                num_frames=r.num_frames, num_inference_steps=r.num_inference_steps,
-                guidance_scale=r.guidance_scale, generator=torch.Generator().manual_seed(r.seed),
-                output_type="np").frames[0]
+    return run_reference(pipe, WAN_I2V.name, r)
 
 
 def kiln_frames(model_dir, r: VideoRequest, **load) -> np.ndarray:

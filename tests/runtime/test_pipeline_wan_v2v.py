@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import diffusers
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 
 from common.families import WAN, checkpoint_family
 from runtime.launch import rank_threads
-from runtime.models.synthetic import SyntheticSpec, build_components, make_checkpoint
+from runtime.models.synthetic import SyntheticSpec, build_pipeline, make_checkpoint
 from runtime.pipelines.base import Conditioning, VideoRequest
+from runtime.pipelines.reference import run_reference
 from runtime.pipelines.registry import load_diffusers
 from runtime.render import generate_on_ranks
 
@@ -53,15 +52,8 @@ def model_dirs(tmp_path_factory):
 
 
 def reference_frames(r: VideoRequest) -> np.ndarray:
-    pipe = diffusers.WanVideoToVideoPipeline(**build_components(SPEC))
-    pipe.set_progress_bar_config(disable=True)
-    c = r.conditioning
-    strength = {} if c.strength is None else {"strength": c.strength}
-    return pipe(video=[PIL.Image.fromarray(f) for f in c.video.numpy()], prompt=r.prompt,
-                negative_prompt=r.negative_prompt, height=r.height, width=r.width,
-                num_inference_steps=r.num_inference_steps, guidance_scale=r.guidance_scale,
-                generator=torch.Generator().manual_seed(r.seed), output_type="np",
-                **strength).frames[0]
+    """diffusers' ``WanVideoToVideoPipeline`` on ``r``, around the same in-memory components."""
+    return run_reference(build_pipeline(SPEC), WAN.name, r)
 
 
 def kiln_frames(model_dir, r: VideoRequest, **load) -> np.ndarray:
