@@ -8,6 +8,7 @@ every handler of the process it runs in, pytest's own included."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -87,6 +88,24 @@ def test_bound_fields_last_for_their_block_in_their_thread_and_the_line_wins() -
                      "INFO kiln.coordinator in a thread",
                      "INFO kiln.coordinator job=outer attempt=3 back",
                      "INFO kiln.coordinator after"]
+
+
+def test_bound_fields_stay_in_their_asyncio_task() -> None:
+    log, out = _logger("text")
+
+    async def handle(job_id: str) -> None:
+        with logs.bound(job=job_id):
+            await asyncio.sleep(0)  # the other request runs meanwhile
+            log.info("submitted")
+
+    async def serve() -> None:
+        await asyncio.gather(handle("j1"), handle("j2"))
+        log.info("served")
+
+    asyncio.run(serve())
+    assert [_rest(line) for line in out.getvalue().splitlines()] == [
+        "INFO kiln.coordinator job=j1 submitted", "INFO kiln.coordinator job=j2 submitted",
+        "INFO kiln.coordinator served"]
 
 
 def test_an_unknown_format_or_level_is_refused() -> None:
