@@ -178,6 +178,30 @@ def test_dashboard_in_a_browser_submits_watches_plays_and_cancels(
         time.sleep(0.5)
         _shot(browser, "job-page")
 
+        # Start from an image: for kiln-tiny the form offers a file, previews it, uploads it
+        # and the job names the upload; the job page shows it.
+        from PIL import Image
+
+        start = tmp_path / "start.png"
+        Image.new("RGB", (64, 64), (220, 40, 40)).save(start)
+        browser.get(f"{base}/dashboard#jobs")
+        form = browser.find_element(By.ID, "submit")
+        _wait(browser, "the file field", lambda d: form.find_element(
+            By.ID, "input-label").is_displayed())
+        form.find_element(By.NAME, "prompt").send_keys("a red square moving left")
+        form.find_element(By.ID, "input-file").send_keys(str(start))
+        _wait(browser, "the input's preview", lambda d: d.execute_script(
+            "const i = document.querySelector('#input-preview img');"
+            "return i && i.complete && i.naturalWidth === 64;"))
+        _shot(browser, "submit-with-image")
+        form.find_element(By.ID, "submit-button").click()
+        started = _wait(browser, "the job started from the image", lambda d: [
+            a.text for a in d.find_elements(By.CSS_SELECTOR, "#submitted a")
+            if a.text != job_id])[0]
+        assert httpx.get(f"{base}/v1/jobs/{started}", headers=headers,
+                         timeout=30).json()["input_file_id"]
+        assert not browser.find_element(By.ID, "input-preview").is_displayed()
+
         # Cancel another job from the page: a long one, while it runs or waits.
         long_job = httpx.post(f"{base}/v1/jobs", headers=headers, timeout=30, json={
             "prompt": "a blue square moving left", "width": 256, "height": 256,

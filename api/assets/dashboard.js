@@ -83,6 +83,31 @@
                                               max: m.max_num_frames });
     form.elements.num_inference_steps.max = m.max_num_inference_steps;
     form.elements.prompt.maxLength = m.max_prompt_chars;
+    // A model that renders from an image or a video offers a file, previewed before it goes.
+    const kinds = m.inputs || [];
+    $("input-label").hidden = $("fit-label").hidden = !kinds.length;
+    $("input-file").accept = kinds.map((k) => k === "image"
+      ? "image/png,image/jpeg,image/webp" : "video/mp4,video/webm").join(",");
+    if (!kinds.length) clearInput();
+  }
+
+  let previewUrl = null;
+  function clearInput() {
+    $("input-file").value = "";
+    showInput(null);
+  }
+
+  function showInput(file) {  // the chosen file as the render will start from it
+    if (previewUrl) URL.revokeObjectURL(previewUrl);
+    previewUrl = file ? URL.createObjectURL(file) : null;
+    const box = $("input-preview");
+    box.hidden = !file;
+    box.replaceChildren();
+    if (!file) return;
+    const el = document.createElement(file.type.startsWith("video/") ? "video" : "img");
+    Object.assign(el, { src: previewUrl, alt: file.name, muted: true, loop: true,
+                        autoplay: true, playsInline: true });
+    box.append(el);
   }
 
   function fieldErrors(errors) {  // each message beside its field; the rest under the button
@@ -99,8 +124,10 @@
   async function onSubmit(e) {
     e.preventDefault();
     const form = e.currentTarget, body = {};
+    const file = form.elements.input.files[0] || null;
     for (const el of form.elements) {
-      if (!el.name || el.value.trim() === "") continue;
+      if (!el.name || el.type === "file" || el.value.trim() === "") continue;
+      if (el.name === "fit" && !file) continue;
       body[el.name] = el.type === "number" ? Number(el.value) : el.value.trim();
     }
     const local = [];  // the rest is checked by the API, whose messages name the nearest values
@@ -109,6 +136,17 @@
     if (local.length) return;
     $("submit-button").disabled = true;
     try {
+      if (file) {  // uploaded first (decoded and checked there), then named by the job
+        const upload = new FormData();
+        upload.append("file", file, file.name);
+        try {
+          body.input_file_id = (await (await api("/v1/files", {
+            method: "POST", body: upload })).json()).id;
+        } catch (err) {
+          err.body = { errors: [{ field: "input_file_id", message: err.message }] };
+          throw err;
+        }
+      }
       const job = await (await api("/v1/jobs", {
         method: "POST", headers: { "Content-Type": "application/json" },
         body: JSON.stringify(body) })).json();
@@ -117,6 +155,7 @@
         ? ` <span class="dim">#${job.queue_position} in the queue</span>` : "");
       form.elements.prompt.value = "";
       form.elements.seed.value = "";
+      clearInput();
       refresh(["summary", "jobs"]);
     } catch (err) {
       $("submitted").textContent = "";
@@ -375,6 +414,7 @@
   $("filters").addEventListener("change", () => refresh(["jobs"]));
   $("filters").addEventListener("submit", (e) => { e.preventDefault(); refresh(["jobs"]); });
   $("submit").addEventListener("submit", onSubmit);
+  $("input-file").addEventListener("change", (e) => showInput(e.target.files[0] || null));
   $("models").addEventListener("change", (e) => {
     const m = models.find((x) => x.id === e.target.value);
     if (m) useDefaults(m);

@@ -170,19 +170,41 @@ def submit(
     out: Annotated[Path | None, typer.Option(help="Save the video here (implies --wait).")]
     = None,
     poll: Annotated[float, typer.Option(min=0.05, help="Seconds between status checks.")] = 1.0,
+    image: Annotated[Path | None, typer.Option(
+        help="An image to start from (PNG, JPEG, WebP), for a model that takes one.")] = None,
+    video: Annotated[Path | None, typer.Option(
+        help="A video to start from (MP4, WebM), for a model that takes one.")] = None,
+    fit: Annotated[str | None, typer.Option(
+        help="How --image/--video is fitted to the size: crop (default), pad or stretch.")]
+    = None,
+    strength: Annotated[float | None, typer.Option(
+        help="Video-to-video: how far the render moves from --video (1: pure noise).")] = None,
     api: ApiUrl = DEFAULT_API_URL,
     key: ApiKey = None,
 ) -> None:
-    """Submit a job and print its id; --wait follows it to the end (exit 1 unless it succeeds)."""
+    """Submit a job and print its id; --wait follows it to the end (exit 1 unless it succeeds).
+    --image or --video is uploaded first (checked by the API) and the job starts from it."""
+    if image is not None and video is not None:
+        raise typer.BadParameter("give --image or --video, not both")
+    source = image or video
+    if source is not None and not source.is_file():
+        raise typer.BadParameter(f"{source}: no such file")
     body: dict[str, Any] = {"prompt": prompt}
     if size is not None:
         body["width"], body["height"] = _size(size)
     for name, value in (("num_frames", frames), ("num_inference_steps", steps), ("seed", seed),
-                        ("model", model), ("fps", fps), ("webhook_url", webhook)):
+                        ("model", model), ("fps", fps), ("webhook_url", webhook),
+                        ("fit", fit), ("strength", strength)):
         if value is not None:
             body[name] = value
     with Client(api, key) as client:
         try:
+            if source is not None:
+                with open(source, "rb") as file:
+                    uploaded = client.request("POST", "/v1/files", data={
+                        "purpose": "image" if image is not None else "video"},
+                        files={"file": (source.name, file)}).json()
+                body["input_file_id"] = uploaded["id"]
             job = client.request("POST", "/v1/jobs", json=body).json()
             typer.echo(job["id"])
             if not (wait or out is not None):
