@@ -11,14 +11,14 @@ on the way, with the reason (`storage.lifecycle.expire`). Every job chosen leave
 whatever the outcome of its claim.
 
 Besides `scheduler.queue_index`'s keys this module keeps ``P + "sched:cost"``, the learned
-`CostModel` as JSON (the fits of every layout: a group reads and teaches those of its own
-``sp``), and charges each started job to its user (``P sched:served:{class}``) until
-`record_result` replaces the estimate by the real render seconds.
+`CostModel` (`scheduler.records.encode_costs`: the fits of every layout; a group reads and
+teaches those of its own ``sp``), and charges each started job to its user
+(``P sched:served:{class}``) until `record_result` replaces the estimate by the real render
+seconds.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from datetime import datetime
@@ -30,6 +30,7 @@ from common.families import family_of
 from scheduler import queue_index
 from scheduler.cost import CostModel, tokens
 from scheduler.policy import INTERACTIVE, JobResult, Policy, PolicyConfig, QueuedJob, RunningJob
+from scheduler.records import ChargeRecord, RecordError, decode_costs, encode_costs
 from storage.lifecycle import Claim, claim_job, expire
 from storage.outages import describe, is_outage
 from storage.tables import Job, utcnow
@@ -65,7 +66,7 @@ def running_job(job: Job, *, rank: int, steps_done: int,
 def load_costs(redis: Redis, prefix: str, sp: int = 1) -> CostModel:
     """The learned costs, as replicas of ``sp`` ranks pay them."""
     raw = redis.get(cost_key(prefix))
-    return CostModel.from_state(json.loads(raw), sp=sp) if raw else CostModel(sp=sp)
+    return decode_costs(raw, sp=sp) if raw else CostModel(sp=sp)
 
 
 def claim_for_group(
@@ -105,18 +106,15 @@ def claim_for_group(
     # One round trip for the bookkeeping every call needs.
     unknown = [r.job_id for r in running if not r.cost_per_step > 0]
     pipe = redis.pipeline(transaction=False)
-    pipe.exists(queue_index.built_key(prefix))
+    pipe.get(queue_index.built_key(prefix))
     pipe.get(cost_key(prefix))
-    pipe.script_exists(*queue_index.script_shas())
     # MGET needs at least one key: with no unknown costs, a dummy whose reply zip() ignores.
     pipe.mget([queue_index.charge_key(prefix, i) for i in unknown]
               or [queue_index.charge_key(prefix, "")])
-    built, raw_costs, loaded_scripts, charges = pipe.execute()
-    if not all(loaded_scripts):
-        queue_index.load_scripts(redis)
-    if not built:
+    built, raw_costs, charges = pipe.execute()
+    if not queue_index.is_built(built):
         queue_index.ensure_built(session, redis, prefix)
-    costs = CostModel.from_state(json.loads(raw_costs), sp=sp) if raw_costs else CostModel(sp=sp)
+    costs = decode_costs(raw_costs, sp=sp) if raw_costs else CostModel(sp=sp)
     claimed: dict[int, Claim] = {}
     busy = _with_costs(running, dict(zip(unknown, charges, strict=False)))
     try:
@@ -168,11 +166,23 @@ def _claim_rounds(session: Session, redis: Redis, prefix: str, group_id: str, mo
 def _with_costs(running: Sequence[RunningJob],
                 charges: dict[str, bytes | str | None]) -> list[RunningJob]:
     """``running``, with the cost recorded at claim time wherever the caller passed none."""
-    known = {job_id: cost for job_id, raw in charges.items()
-             if raw is not None and (cost := queue_index.charged_step_cost(raw)) is not None}
+    known = {job_id: charge.cost_per_step for job_id, raw in charges.items()
+             if (charge := _charge(raw)) is not None}
     return [RunningJob(job_id=r.job_id, rank=r.rank, model=r.model,
                        cost_per_step=known.get(r.job_id, r.cost_per_step),
                        steps_left=r.steps_left) if r.job_id in known else r for r in running]
+
+
+def _charge(raw: bytes | str | None) -> ChargeRecord | None:
+    """A ``P sched:charge:{job}`` value; None for none, or for one of another record format (a
+    job started before an upgrade: its user keeps the estimate it was charged)."""
+    if raw is None:
+        return None
+    try:
+        return ChargeRecord.decode(raw)
+    except RecordError:
+        log.warning("ignoring a charge record of another format: %r", raw)
+        return None
 
 
 def candidates(redis: Redis, prefix: str, model: str, now: float, num_free: int,
@@ -239,11 +249,10 @@ def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tok
     layout learns from it."""
     result = JobResult(job_id=job_id, model=model, num_tokens=num_tokens,
                        num_inference_steps=num_inference_steps, render_seconds=render_seconds)
-    raw = redis.getdel(queue_index.charge_key(prefix, job_id))
-    if raw is not None:
-        job_class, owner, estimate = json.loads(raw)[:3]
-        redis.hincrbyfloat(queue_index.served_key(prefix, job_class), owner,
-                           render_seconds - float(estimate))
+    charged = _charge(redis.getdel(queue_index.charge_key(prefix, job_id)))
+    if charged is not None:
+        redis.hincrbyfloat(queue_index.served_key(prefix, charged.job_class), charged.owner,
+                           render_seconds - charged.charged_seconds)
     if result.num_inference_steps <= 0:
         return
     key = cost_key(prefix)
@@ -253,11 +262,10 @@ def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tok
             try:
                 pipe.watch(key)
                 raw_cost = pipe.get(key)
-                costs = (CostModel.from_state(json.loads(raw_cost), sp=sp) if raw_cost
-                         else CostModel(sp=sp))
+                costs = decode_costs(raw_cost, sp=sp) if raw_cost else CostModel(sp=sp)
                 costs.observe(model, num_tokens, render_seconds / num_inference_steps)
                 pipe.multi()
-                pipe.set(key, json.dumps(costs.to_state()))
+                pipe.set(key, encode_costs(costs))
                 pipe.execute()
                 return
             except WatchError:

@@ -16,37 +16,42 @@ Keys (``P`` is ``Settings.redis_prefix``, ``kiln:`` by default; ``Q`` is
   costs one look: groups still look on their own every poll interval.
 - ``P sched:q:Q:{user}``: sorted set, job id -> due time; one user's queue.
 - ``P sched:u:Q``: sorted set, user -> due time of that user's oldest job.
-- ``P sched:job``: hash, job id -> JSON ``[Q, user, class, priority, tokens, steps, deadline,
-  model]``: what the policy needs without a database read, and where to remove the job from.
+- ``P sched:job``: hash, job id -> `scheduler.records.JobMeta` (owner, model, class, priority,
+  tokens, steps, deadline): what the policy needs without a database read, and where to remove
+  the job from.
 - ``P sched:active:{class}``: hash, user -> queued jobs in that class; a user whose count goes
   from 0 to 1 starts at the class's virtual time (``P sched:vtime:{class}``, the service level of
   the latest pick), so idle time is neither credit nor debt (see `scheduler.policy`).
 - ``P sched:served:{class}``: hash, user -> service in render seconds; ``P sched:charge:{job}``:
-  a started job's charge until `scheduler.claim.record_result` settles it.
-- ``P sched:built``: set once `reconcile` has filled the index from the database.
+  a started job's charge (`scheduler.records.ChargeRecord`) until
+  `scheduler.claim.record_result` settles it.
+- ``P sched:built``: the record format (`scheduler.records.FORMAT`) `reconcile` filled the index
+  in from the database; an index marked with another format is cleared and rebuilt.
 
 `add` and `remove` each run as one Lua script (atomic in Redis), so a job enters and leaves all
 of its keys at once, and two groups adding and removing at once leave every user's head right.
-The scripts get the classes in serving order and the priority bounds as arguments.
+The scripts live in ``scheduler/lua`` (a shared prelude, ``common.lua``, then one file each) and
+read records by the field names of `scheduler.records`; they get the classes in serving order and
+the priority bounds as arguments.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
-from redis.exceptions import NoScriptError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from common.families import family_of
 from scheduler.cost import tokens
 from scheduler.policy import CLASS_BASE, INTERACTIVE, TOP_LEVEL, QueuedJob, class_bases
+from scheduler.records import FORMAT, ChargeRecord, JobMeta
 from storage.tables import MAX_PRIORITY, MIN_PRIORITY, Job, JobClass, JobState
 
 # Every class, in serving order: the one whose jobs start at the higher level first.
@@ -60,253 +65,18 @@ COLUMNS = (Job.id, Job.owner_id, Job.model, Job.class_, Job.priority, Job.width,
            Job.num_frames, Job.num_inference_steps, Job.created_at, Job.not_before,
            Job.deadline, Job.state)
 
-# Shared by every script. ARGV[1]: the key prefix; ARGV[2]: the classes in serving order,
-# comma-separated; ARGV[3], ARGV[4]: the highest and the lowest priority. The script's own
-# arguments start at ARGV[5].
-_COMMON = """
-local p = ARGV[1]
-local classes = {}
-for c in string.gmatch(ARGV[2], '[^,]+') do
-  classes[#classes + 1] = c
-end
-local max_prio, min_prio = tonumber(ARGV[3]), tonumber(ARGV[4])
-local function ready_key(c, prio)
-  return p .. 'ready:' .. c .. ':' .. prio
-end
--- entries ahead of the job in serving order, -1 if it is not in its ready key
-local function position(id, class, prio)
-  local ahead = 0
-  for _, c in ipairs(classes) do
-    for q = max_prio, min_prio, -1 do
-      local key = ready_key(c, q)
-      if c == class and q == prio then
-        local rank = redis.call('ZRANK', key, id)
-        if not rank then
-          return -1
-        end
-        return ahead + rank
-      end
-      ahead = ahead + redis.call('ZCARD', key)
-    end
-  end
-  return -1
-end
-"""
-
-_ADD = """
--- ARGV[5]: wake tokens to keep (0: push none); ARGV[6]: '1' to return the last job's position;
--- then seven per job: id, Q, user, class, priority, due, meta JSON
-local wake_cap, want_position = tonumber(ARGV[5]), ARGV[6] == '1'
-local added, last = 0, nil
-for i = 7, #ARGV, 7 do
-  local id, q, user, class, prio, due = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4],
-                                        ARGV[i+5]
-  redis.call('ZADD', ready_key(class, prio), due, id)
-  if redis.call('HEXISTS', p .. 'sched:job', id) == 0 then
-    redis.call('HSET', p .. 'sched:job', id, ARGV[i+6])
-    redis.call('ZADD', p .. 'sched:q:' .. q .. ':' .. user, due, id)
-    redis.call('ZADD', p .. 'sched:u:' .. q, 'LT', due, user)
-    if redis.call('HINCRBY', p .. 'sched:active:' .. class, user, 1) == 1 then
-      local vt = tonumber(redis.call('GET', p .. 'sched:vtime:' .. class) or '0')
-      local served = tonumber(redis.call('HGET', p .. 'sched:served:' .. class, user) or '0')
-      if served < vt then
-        redis.call('HSET', p .. 'sched:served:' .. class, user, tostring(vt))
-      end
-    end
-    added = added + 1
-  end
-  last = i
-end
-if last and wake_cap > 0 then
-  redis.call('RPUSH', p .. 'ready:wake', '1')
-  redis.call('LTRIM', p .. 'ready:wake', -wake_cap, -1)
-end
-local pos = -1
-if last and want_position then
-  pos = position(ARGV[last], ARGV[last + 3], tonumber(ARGV[last + 4]))
-end
-return {added, pos}
-"""
-
-_REMOVE = """
--- ARGV[5..]: job ids
-local removed = 0
-for i = 5, #ARGV do
-  local id = ARGV[i]
-  local found = false
-  local raw = redis.call('HGET', p .. 'sched:job', id)
-  if raw then
-    local m = cjson.decode(raw)
-    local q, user, class, prio = m[1], m[2], m[3], m[4]
-    local qkey = p .. 'sched:q:' .. q .. ':' .. user
-    redis.call('ZREM', qkey, id)
-    redis.call('HDEL', p .. 'sched:job', id)
-    local head = redis.call('ZRANGE', qkey, 0, 0, 'WITHSCORES')
-    if #head == 0 then
-      redis.call('ZREM', p .. 'sched:u:' .. q, user)
-    else
-      redis.call('ZADD', p .. 'sched:u:' .. q, head[2], user)
-    end
-    if redis.call('HINCRBY', p .. 'sched:active:' .. class, user, -1) <= 0 then
-      redis.call('HDEL', p .. 'sched:active:' .. class, user)
-    end
-    redis.call('ZREM', ready_key(class, prio), id)
-    found = true
-  else  -- not in the per-user keys: wherever it is in the serving order
-    for _, c in ipairs(classes) do
-      for q = max_prio, min_prio, -1 do
-        if redis.call('ZREM', ready_key(c, q), id) == 1 then
-          found = true
-        end
-      end
-    end
-  end
-  if found then
-    removed = removed + 1
-  end
-end
-return removed
-"""
-
-_RESTORE = """
--- ARGV[5..]: four per job: id, class, priority, due. Puts each job in its ready key and returns
--- the ids the per-user keys lack (those need `add`, with their meta).
-local missing = {}
-for i = 5, #ARGV, 4 do
-  redis.call('ZADD', ready_key(ARGV[i+1], ARGV[i+2]), ARGV[i+3], ARGV[i])
-  if redis.call('HEXISTS', p .. 'sched:job', ARGV[i]) == 0 then
-    missing[#missing + 1] = ARGV[i]
-  end
-end
-return missing
-"""
-
-_POSITION = """
--- ARGV[5..7]: job id, class, priority
-return position(ARGV[5], ARGV[6], tonumber(ARGV[7]))
-"""
-
-_PICK = """
--- ARGV[5..10]: model, now, aging seconds, queues wanted, jobs per queue, top level;
--- ARGV[11..]: each class's base level for this group (`policy.class_bases`), in the order of
--- ARGV[2]
-local model = ARGV[5]
-local now, aging = tonumber(ARGV[6]), tonumber(ARGV[7])
-local want, count, top_level = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local base = {}
-for i, c in ipairs(classes) do
-  base[c] = tonumber(ARGV[10 + i])
-end
-local function level(b, due)
-  local waited = math.max(0, now - due)
-  return math.min(top_level, b + math.floor(waited / aging))
-end
--- 1. the oldest head of every (class, priority): the highest level each can offer
-local keys, top = {}, -1
-for _, c in ipairs(classes) do
-  for prio = max_prio, min_prio, -1 do
-    local key = p .. 'sched:u:' .. model .. ':' .. c .. ':' .. prio
-    local h = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-    if #h > 0 and tonumber(h[2]) <= now then
-      local b = base[c] + prio
-      local l = level(b, tonumber(h[2]))
-      keys[#keys + 1] = {key, c, prio, b, l}
-      top = math.max(top, l)
-    end
-  end
-end
--- 2. level by level from the top: the user queues whose head is at that level, least served
---    first (oldest first at the top level), until `want` queues are picked
-local picked, L = {}, top
-while L >= 0 and #picked < want do
-  local band = {}
-  for _, k in ipairs(keys) do
-    local key, c, prio, b, maxl = k[1], k[2], k[3], k[4], k[5]
-    if maxl >= L and L >= b then
-      local hi, r = now - (L - b) * aging, nil
-      if L < top_level then
-        local lo = '(' .. tostring(now - (L - b + 1) * aging)
-        r = redis.call('ZRANGEBYSCORE', key, lo, hi, 'WITHSCORES')
-      else  -- oldest first: the first `want` of each key are enough
-        r = redis.call('ZRANGEBYSCORE', key, '-inf', hi, 'WITHSCORES', 'LIMIT', 0, want)
-      end
-      for j = 1, #r, 2 do
-        local served = 0
-        if L < top_level then
-          served = tonumber(redis.call('HGET', p .. 'sched:served:' .. c, r[j]) or '0')
-        end
-        band[#band + 1] = {c, prio, r[j], tonumber(r[j + 1]), served}
-      end
-    end
-  end
-  table.sort(band, function(x, y)
-    if x[5] ~= y[5] then return x[5] < y[5] end
-    return x[4] < y[4]
-  end)
-  for i = 1, math.min(#band, want - #picked) do
-    picked[#picked + 1] = band[i]
-  end
-  L = L - 1
-end
--- 3. each picked queue's `count` oldest jobs with what the policy needs, and the user's service
-local out = {}
-for _, q in ipairs(picked) do
-  local c, prio, user = q[1], q[2], q[3]
-  local qkey = p .. 'sched:q:' .. model .. ':' .. c .. ':' .. prio .. ':' .. user
-  local item = {c, user, redis.call('HGET', p .. 'sched:served:' .. c, user) or '0'}
-  local r = redis.call('ZRANGE', qkey, 0, count - 1, 'WITHSCORES')
-  for j = 1, #r, 2 do
-    item[#item + 1] = r[j]
-    item[#item + 1] = r[j + 1]
-    item[#item + 1] = redis.call('HGET', p .. 'sched:job', r[j]) or ''
-  end
-  out[#out + 1] = item
-end
-return out
-"""
-
-_CHARGE = """
--- ARGV[5..10]: class, user, estimated seconds, job id, record TTL, estimated seconds per step
-local class, user, estimate, cost = ARGV[5], ARGV[6], ARGV[7], ARGV[10]
-local served = tonumber(redis.call('HGET', p .. 'sched:served:' .. class, user) or '0')
-local vt = tonumber(redis.call('GET', p .. 'sched:vtime:' .. class) or '0')
-if served > vt then
-  redis.call('SET', p .. 'sched:vtime:' .. class, tostring(served))
-end
-redis.call('HINCRBYFLOAT', p .. 'sched:served:' .. class, user, estimate)
-redis.call('SET', p .. 'sched:charge:' .. ARGV[8],
-           cjson.encode({class, user, tonumber(estimate), tonumber(cost)}), 'EX', tonumber(ARGV[9]))
-return 1
-"""
-
-_SCRIPTS = {name: (_COMMON + body, hashlib.sha1((_COMMON + body).encode()).hexdigest())
-            for name, body in (("add", _ADD), ("remove", _REMOVE), ("restore", _RESTORE),
-                               ("position", _POSITION), ("pick", _PICK), ("charge", _CHARGE))}
+# The scripts (``scheduler/lua``), each run with the shared prelude in front of it.
+_LUA = resources.files(__package__) / "lua"
+_SCRIPTS = {name: _LUA.joinpath("common.lua").read_text() + "\n" + _LUA.joinpath(
+    f"{name}.lua").read_text() for name in ("add", "remove", "restore", "position", "pick",
+                                            "charge")}
 
 
 def _run(redis: Redis | Pipeline, name: str, prefix: str, *args: Any) -> Any:
-    """A script by its SHA (the text goes over the wire only when Redis lacks it), with the
-    bounds every script takes. In a pipeline the script must already be loaded
-    (`load_scripts`)."""
-    text, sha = _SCRIPTS[name]
+    """Runs a script with the bounds every script takes. redis-py's `Script` sends it by SHA and
+    loads it where Redis lacks it (in a pipeline, before the pipeline runs)."""
     argv = (prefix, ",".join(CLASSES), MAX_PRIORITY, MIN_PRIORITY, *args)
-    if isinstance(redis, Pipeline):
-        return redis.evalsha(sha, 0, *argv)
-    try:
-        return redis.evalsha(sha, 0, *argv)
-    except NoScriptError:  # the first call after Redis started (or flushed its scripts)
-        return redis.eval(text, 0, *argv)
-
-
-def script_shas() -> list[str]:
-    return [sha for _, sha in _SCRIPTS.values()]
-
-
-def load_scripts(redis: Redis) -> None:
-    shas = script_shas()
-    for (text, _), present in zip(_SCRIPTS.values(), redis.script_exists(*shas), strict=True):
-        if not present:
-            redis.script_load(text)
+    return redis.register_script(_SCRIPTS[name])(args=argv)
 
 
 def ready_key(prefix: str, job_class: str, priority: int) -> str:
@@ -353,6 +123,10 @@ def built_key(prefix: str) -> str:
     return f"{prefix}sched:built"
 
 
+def active_key(prefix: str, job_class: str) -> str:
+    return f"{prefix}sched:active:{job_class}"
+
+
 def served_key(prefix: str, job_class: str) -> str:
     return f"{prefix}sched:served:{job_class}"
 
@@ -379,11 +153,8 @@ def queued_job(r: Any) -> QueuedJob:
 
 
 def _entry(j: QueuedJob) -> list[Any]:
-    """A job's seven arguments to the add script."""
-    q = queue_name(j.model, j.job_class, j.priority)
-    meta = json.dumps([q, j.owner, j.job_class, j.priority, j.num_tokens, j.num_inference_steps,
-                       j.deadline, j.model])
-    return [j.job_id, q, j.owner, j.job_class, j.priority, repr(j.due), meta]
+    """A job's three arguments to the add script."""
+    return [j.job_id, repr(j.due), JobMeta.of(j).encode()]
 
 
 def _add(redis: Redis, prefix: str, jobs: Iterable[Job | QueuedJob], *, wake: bool,
@@ -393,9 +164,9 @@ def _add(redis: Redis, prefix: str, jobs: Iterable[Job | QueuedJob], *, wake: bo
     for j in jobs:
         args += _entry(j if isinstance(j, QueuedJob) else queued_job(j))
     added, found = 0, -1
-    for start in range(0, len(args), 7 * _CHUNK):
+    for start in range(0, len(args), 3 * _CHUNK):
         n, found = _run(redis, "add", prefix, WAKE_CAP if wake and not start else 0,
-                        "1" if with_position else "0", *args[start:start + 7 * _CHUNK])
+                        "1" if with_position else "0", *args[start:start + 3 * _CHUNK])
         added += int(n)
     return added, None if int(found) < 0 else int(found)
 
@@ -438,24 +209,12 @@ def wait_for_work(redis: Redis, prefix: str, timeout_seconds: float) -> bool:
 def charge(redis: Redis | Pipeline, prefix: str, *, job_id: str, job_class: str, owner: str,
            cost_per_step: float, num_inference_steps: int, ttl_seconds: int) -> None:
     """Charges a started job to its user and moves the class's virtual time to their level.
-    The record (``P sched:charge:{job id}``) also keeps the job's estimated seconds per step."""
-    _run(redis, "charge", prefix, job_class, owner,
-         repr(cost_per_step * num_inference_steps), job_id, ttl_seconds, repr(cost_per_step))
-
-
-def charged_step_cost(raw: str | bytes) -> float | None:
-    """The estimated seconds per step kept in a charge record (``P sched:charge:{job id}``)."""
-    record = json.loads(raw)
-    return float(record[3]) if len(record) > 3 else None
-
-
-def from_meta(job_id: str, job_due: float, raw: str | bytes) -> QueuedJob:
-    """The `QueuedJob` a ``P sched:job`` entry describes."""
-    _, owner, job_class, priority, num_tokens, num_inference_steps, deadline, model = \
-        json.loads(raw)
-    return QueuedJob(job_id=job_id, owner=owner, model=model, job_class=job_class,
-                     priority=int(priority), due=job_due, deadline=deadline,
-                     num_tokens=int(num_tokens), num_inference_steps=int(num_inference_steps))
+    The record (``P sched:charge:{job id}``, a `ChargeRecord`) also keeps the job's estimated
+    seconds per step."""
+    record = ChargeRecord(owner=owner, job_class=job_class,
+                          charged_seconds=cost_per_step * num_inference_steps,
+                          cost_per_step=cost_per_step)
+    _run(redis, "charge", prefix, job_id, ttl_seconds, record.encode())
 
 
 def _text(value: str | bytes) -> str:
@@ -474,17 +233,16 @@ def pick(redis: Redis, prefix: str, model: str, *, now: float, aging_seconds: fl
     are those of a group that prefers the class ``prefer`` (`scheduler.policy.class_bases`).
     """
     bases = class_bases(prefer)
-    reply = _run(redis, "pick", prefix, model, repr(now), repr(aging_seconds), num_queues,
-                 num_jobs, TOP_LEVEL, *(bases[c] for c in CLASSES))
+    reply = json.loads(_run(redis, "pick", prefix, model, repr(now), repr(aging_seconds),
+                            num_queues, num_jobs, TOP_LEVEL, *(bases[c] for c in CLASSES)))
     jobs: list[QueuedJob] = []
     served: dict[tuple[str, str], float] = {}
-    for item in reply:
-        job_class, owner = _text(item[0]), _text(item[1])
-        served[(job_class, owner)] = float(item[2])
-        for i in range(3, len(item), 3):
-            job_id, job_due, raw = _text(item[i]), float(item[i + 1]), item[i + 2]
-            if raw:  # an id without its meta is mid-removal: skip it
-                jobs.append(from_meta(job_id, job_due, raw))
+    # An empty Lua table comes back as {}: iterating it yields nothing, as [] would.
+    for queue in reply["queues"]:
+        served[(queue["job_class"], queue["owner"])] = float(queue["served"])
+        for job in queue["jobs"]:
+            if job["meta"]:  # an id without its meta is mid-removal: skip it
+                jobs.append(JobMeta.decode(job["meta"]).queued_job(job["id"], float(job["due"])))
     return jobs, served
 
 
@@ -505,9 +263,36 @@ def _restore(redis: Redis, prefix: str, rows: Sequence[Any]) -> int:
     return _add(redis, prefix, missing, wake=False)[0] if missing else 0
 
 
+def is_built(marker: str | bytes | None) -> bool:
+    """Whether a ``P sched:built`` value marks an index built in this version's record format."""
+    return marker is not None and _text(marker) == FORMAT
+
+
+def _clear(redis: Redis, prefix: str) -> int:
+    """Deletes, in one command, every key that holds records (`scheduler.records`) or that the
+    records locate: job metas, per-user queues and heads, active counts, charges. Ready keys
+    (job id -> due time), service, virtual times and learned costs hold no records and stay.
+    Returns how many keys were deleted."""
+    kinds = tuple(f"{prefix}sched:{kind}" for kind in ("q:", "u:", "charge:"))
+    keys = [k for k in map(_text, redis.scan_iter(match=f"{prefix}sched:*", count=1000))
+            if k.startswith(kinds)]
+    keys += [jobs_key(prefix), *(active_key(prefix, c) for c in CLASSES)]
+    return int(redis.delete(*keys))
+
+
 def reconcile(session: Session, redis: Redis, prefix: str) -> Reconciled:
     """Makes the index hold exactly the queued jobs. Safe beside claims and submits: it adds only
-    jobs the database says are queued and drops an entry only after re-reading its job."""
+    jobs the database says are queued and drops an entry only after re-reading its job.
+
+    An index marked as built in another record format (an older version's) is cleared first
+    (`_clear`), then filled; an unmarked one (a fresh or flushed Redis) holds only what this
+    version's submits added. Clearing before the database is read keeps every queued job: one
+    committed before the read is found by it, one committed after is added by its submitter.
+    Started jobs lose their charge records: their users keep the estimates they were charged
+    instead of the real render seconds."""
+    marker = redis.get(built_key(prefix))
+    if marker is not None and not is_built(marker):
+        _clear(redis, prefix)
     queued: set[str] = set()
     added = 0
     batch: list[Any] = []
@@ -537,13 +322,14 @@ def reconcile(session: Session, redis: Redis, prefix: str) -> Reconciled:
             Job.id.in_(chunk))) if state == JobState.QUEUED}
         session.rollback()
         removed += remove(redis, prefix, [i for i in chunk if i not in still])
-    redis.set(built_key(prefix), "1")
+    redis.set(built_key(prefix), FORMAT)
     return Reconciled(added=added, removed=removed)
 
 
 def ensure_built(session: Session, redis: Redis, prefix: str) -> None:
-    """Builds the index from the database the first time any group needs it."""
-    if redis.exists(built_key(prefix)):
+    """Builds the index from the database the first time any group needs it, and again when
+    it was built in another record format (`reconcile`)."""
+    if is_built(redis.get(built_key(prefix))):
         return
     # One builder at a time; the others go on with what the index already holds.
     if redis.set(f"{prefix}sched:building", "1", nx=True, ex=300):

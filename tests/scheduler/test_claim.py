@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import UTC, datetime, timedelta
 
@@ -13,6 +14,7 @@ from sqlalchemy.orm import Session
 from scheduler import claim as sched
 from scheduler import queue_index
 from scheduler.policy import RunningJob
+from scheduler.records import FORMAT, JobMeta, RecordError
 from storage import lifecycle, queries, submission
 from storage.submission import JobSpec
 from storage.tables import Job, JobClass, JobState, User
@@ -243,6 +245,54 @@ def test_a_flushed_redis_is_rebuilt_from_the_database_by_the_next_claim(
     assert [c.job.id for _, c in got] == [high.id]
     assert queue_index.position(redis_client, redis_prefix, low) == 0
     assert redis_client.hkeys(queue_index.jobs_key(redis_prefix)) == [low.id.encode()]
+
+
+def _index_in_format_1(r: redis.Redis, prefix: str, job: Job) -> None:
+    """What the version before named records stored for a queued job: positional JSON lists."""
+    q = queue_index.queue_name(job.model, job.class_, job.priority)
+    due = queue_index.due(job)
+    r.zadd(queue_index.ready_key(prefix, job.class_, job.priority), {job.id: due})
+    r.hset(queue_index.jobs_key(prefix), job.id, json.dumps(
+        [q, str(job.owner_id), job.class_, job.priority, 48, job.num_inference_steps, None,
+         job.model]))
+    r.zadd(queue_index.queue_key(prefix, job.model, job.class_, job.priority, str(job.owner_id)),
+           {job.id: due})
+    r.zadd(queue_index.users_key(prefix, job.model, job.class_, job.priority),
+           {str(job.owner_id): due})
+    r.hincrby(queue_index.active_key(prefix, job.class_), str(job.owner_id), 1)
+
+
+def test_an_index_of_an_older_record_format_is_cleared_and_rebuilt_by_the_next_claim(
+    session: Session, redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    alice = user(session, "alice")
+    spec = JobSpec(model="kiln-tiny", prompt="a red circle", width=64, height=64, num_frames=9,
+                   fps=8, num_inference_steps=4, guidance_scale=5.0, seed=1)
+    first, second = (submission.create_job(session, alice, spec, request_hash="h",
+                                           now=T0 + timedelta(seconds=i)).job for i in (0, 1))
+    for job in (first, second):
+        _index_in_format_1(redis_client, redis_prefix, job)
+    old_charge = queue_index.charge_key(redis_prefix, "started-before")
+    redis_client.set(old_charge, json.dumps(["interactive", str(alice.id), 2.0, 0.5]))
+    redis_client.hset(queue_index.served_key(redis_prefix, "interactive"), str(alice.id), 7.0)
+    redis_client.set(queue_index.built_key(redis_prefix), "1")
+    with pytest.raises(RecordError):  # what reading it as it is would do
+        queue_index.pick(redis_client, redis_prefix, "kiln-tiny", now=T0.timestamp() + 5,
+                         aging_seconds=600, num_queues=1, num_jobs=1)
+
+    [(_, got)] = claim(session, redis_client, redis_prefix, [0], now=T0 + timedelta(seconds=5))
+    assert got.job.id == first.id
+    assert redis_client.get(queue_index.built_key(redis_prefix)) == FORMAT.encode()
+    assert redis_client.exists(old_charge) == 0
+    assert JobMeta.decode(redis_client.hget(queue_index.jobs_key(redis_prefix), second.id)) == \
+        JobMeta(owner=str(alice.id), model="kiln-tiny", job_class="interactive", priority=5,
+                num_tokens=sched.job_tokens(second), num_inference_steps=4, deadline=None)
+    assert queue_index.position(redis_client, redis_prefix, second) == 0
+    # Service is no record: the claim charged alice on top of what she had.
+    assert float(redis_client.hget(queue_index.served_key(redis_prefix, "interactive"),
+                                   str(alice.id))) > 7.0
+    assert queue_index.reconcile(session, redis_client, redis_prefix) == queue_index.Reconciled(
+        added=0, removed=0)
 
 
 def test_reconcile_puts_back_a_queue_position_lost_from_redis(

@@ -11,6 +11,7 @@ from test_claim import T0, claim, submit, user
 from scheduler import claim as sched
 from scheduler import queue_index
 from scheduler.cost import CostModel, cost_key_for
+from scheduler.records import ChargeRecord
 
 
 def test_the_cost_key_is_the_model_at_sp1_and_names_the_layout_otherwise() -> None:
@@ -59,8 +60,8 @@ def test_a_result_recorded_at_sp2_teaches_only_the_sp2_claims(
                                      now=T0 + timedelta(seconds=1), sp=2)
     [(_, d)] = claim(session, redis_client, redis_prefix, [0])
     assert {c.job.id, d.job.id} == {first.id, second.id}
-    charged = {job_id: queue_index.charged_step_cost(redis_client.get(
-                   queue_index.charge_key(redis_prefix, job_id)))
+    charged = {job_id: ChargeRecord.decode(redis_client.get(
+                   queue_index.charge_key(redis_prefix, job_id))).cost_per_step
                for job_id in (c.job.id, d.job.id)}
-    assert charged[c.job.id] is not None and abs(charged[c.job.id] - 2.0) < 1e-9
-    assert charged[d.job.id] is not None and abs(charged[d.job.id] - 0.5) < 1e-9
+    assert abs(charged[c.job.id] - 2.0) < 1e-9
+    assert abs(charged[d.job.id] - 0.5) < 1e-9

@@ -92,6 +92,69 @@ def test_the_claim_path_picks_what_a_policy_holding_the_whole_queue_picks(
     assert len(loaded) <= (num_free + 2) * (config.cost_window + num_free)
 
 
+NOW = 1_000_000.0
+
+# One queued job: owner, model, class, priority, seconds waited (negative: not due yet), tokens,
+# steps, and a deadline after ``NOW`` or none. Mostly one priority and short waits, so that many
+# users share a level and the fairness order decides; sometimes others, so that levels differ.
+job_st = st.tuples(
+    st.integers(0, 5), st.sampled_from(["m", "m", "m", "other"]),
+    st.sampled_from([INTERACTIVE, BATCH]), st.sampled_from([5, 5, 5, 4, MIN_PRIORITY,
+                                                            MAX_PRIORITY]),
+    st.integers(-20, 100) | st.integers(-20, 1000), st.sampled_from([48, 192, 768]),
+    st.sampled_from([4, 8, 16]), st.none() | st.floats(NOW + 1, NOW + 1e6))
+
+
+@settings(max_examples=50, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(specs=st.lists(job_st, min_size=1, max_size=30),
+       served=st.lists(st.integers(0, 30), min_size=12, max_size=12),
+       aging=st.sampled_from([1e6, 60.0, 13.0]),
+       prefer=st.sampled_from([INTERACTIVE, BATCH]), num_picks=st.integers(1, 8))
+def test_the_lua_pick_and_the_policy_pick_the_same_job_pick_after_pick(
+    clean_redis: tuple[redis.Redis, object], specs: list[tuple], served: list[int],
+    aging: float, prefer: str, num_picks: int,
+) -> None:
+    """The serving order is written twice, in `scheduler.policy` and in ``pick.lua``: for any
+    queue, the first queue the script returns holds, as its oldest job, the job the policy
+    starts; and so on after each start is charged to its user and the job leaves the index."""
+    r, make_prefix = clean_redis
+    prefix = make_prefix()  # type: ignore[operator]
+    # Distinct due times (a thousandth apart at least): ties are left to insertion order in the
+    # policy and to the job id in Redis.
+    jobs = [QueuedJob(job_id=f"j{i}", owner=f"u{owner}", model=model, job_class=c, priority=prio,
+                      due=NOW - waited + i / 1000, deadline=deadline, num_tokens=num_tokens,
+                      num_inference_steps=steps)
+            for i, (owner, model, c, prio, waited, num_tokens, steps, deadline)
+            in enumerate(specs)]
+    shares = [(c, f"u{o}") for c in (INTERACTIVE, BATCH) for o in range(6)]
+    policy = Policy(PolicyConfig(aging_seconds=aging), CostModel())
+    policy.add_many(jobs)
+    assert queue_index.add(r, prefix, jobs) == len(jobs)
+    for (c, o), s in zip(shares, served, strict=True):
+        policy.set_served(c, o, float(s))
+        r.hset(queue_index.served_key(prefix, c), o, s)
+
+    by_id = {j.job_id: j for j in jobs}
+    for _ in range(num_picks):
+        service = {share: policy.served(*share) for share in shares}
+        plan = policy.schedule([0], model="m", now=NOW, prefer=prefer)
+        picked, picked_service = queue_index.pick(r, prefix, "m", now=NOW, aging_seconds=aging,
+                                                  num_queues=1, num_jobs=1, prefer=prefer)
+        if not plan.assignments:
+            assert picked == []
+            break
+        job = by_id[plan.assignments[0]]
+        assert picked == [job]  # every field read back from the JobMeta
+        share = (job.job_class, job.owner)
+        assert picked_service == {share: pytest.approx(service[share])}
+        # What the claim does with a started job (`scheduler.claim._settle_now`).
+        queue_index.charge(r, prefix, job_id=job.job_id, job_class=job.job_class,
+                           owner=job.owner, cost_per_step=plan.step_costs[job.job_id],
+                           num_inference_steps=job.num_inference_steps, ttl_seconds=60)
+        assert queue_index.remove(r, prefix, [job.job_id]) == 1
+
+
 def test_the_least_served_of_many_users_at_the_top_level_is_read_though_others_are_older(
     redis_client: redis.Redis, redis_prefix: str,
 ) -> None:
