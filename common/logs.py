@@ -32,9 +32,10 @@ from typing import Any
 FORMATS = ("text", "json")
 # The fields a text line shows before its message, in this order (the others follow it).
 LEADING = ("rank", "job", "attempt")
-# Libraries whose INFO lines name every URL they fetch (a webhook's URL may carry its
-# receiver's token in its query): only their warnings are shown.
-QUIET = ("httpx", "httpcore")
+# Libraries whose INFO lines are no operator's: httpx's name every URL fetched (a webhook's URL
+# may carry its receiver's token in its query), alembic's every plugin it sets up at each start
+# of `kiln up`. Only their warnings are shown.
+QUIET = ("httpx", "httpcore", "alembic")
 # uvicorn's loggers: no handlers of their own, their lines go through the root's like kiln's.
 UVICORN = ("uvicorn", "uvicorn.error", "uvicorn.access")
 

@@ -123,13 +123,14 @@ def _run(code: str) -> list[str]:
     return done.stderr.splitlines()
 
 
-def test_configure_keeps_the_loggers_made_before_it_and_quiets_url_loggers() -> None:
+def test_configure_keeps_the_loggers_made_before_it_and_quiets_chatty_libraries() -> None:
     lines = _run("import logging\n"
                  "early = logging.getLogger('kiln.worker')\n"
                  "from common import logs\n"
                  "logs.configure('INFO', 'text', process='worker', rank=3)\n"
                  "early.info('launcher line')\n"
                  "logging.getLogger('httpx').info('HTTP Request: POST http://h/?token=t')\n"
+                 "logging.getLogger('alembic.runtime.plugins').info('setup plugin')\n"
                  "logging.getLogger('uvicorn.error').info('Started server process')\n")
     assert [_rest(line) for line in lines] == [
         "INFO kiln.worker rank=3 launcher line", "INFO uvicorn.error rank=3 Started server process"]
