@@ -199,3 +199,22 @@ def test_celery_without_redis_refuses_to_start(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("KILN_REDIS_URL", raising=False)
     result = runner.invoke(cli, ["celery"])
     assert result.exit_code == 2 and "no Redis configured" in result.stderr
+
+
+def test_submit_with_an_image_uploads_it_and_the_job_names_it(service: Service,
+                                                              tmp_path: Path) -> None:
+    from PIL import Image
+
+    start = tmp_path / "start.png"
+    Image.new("RGB", (40, 24), (200, 30, 30)).save(start)
+    result = service.kiln("submit", "a red square moving left", "--image", str(start),
+                          "--fit", "pad")
+    assert result.exit_code == 0, result.output
+    with service.db.session() as s:
+        job = s.scalars(select(Job).where(Job.id == result.stdout.strip())).one()
+    assert job.input_file_id is not None and job.input_fit == "pad"
+    # kiln-tiny takes a first frame, not a clip: refused with the reason, no job made.
+    clip = tmp_path / "clip.png"
+    Image.new("RGB", (40, 24)).save(clip)
+    refused = service.kiln("submit", "p", "--video", str(clip))
+    assert refused.exit_code == 1 and "video" in refused.stderr, refused.output
