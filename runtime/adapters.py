@@ -334,6 +334,12 @@ def _hook(target: str, module_name: str) -> Any:
             layer = adapter.layers.get(module_name) if adapter.target == target else None
             if layer is not None:
                 down, up, bias = layer.on(x.device, dtype)
-                output = output + F.linear(F.linear(x, down), up, bias) * layer.scaling(weight)
+                term = F.linear(F.linear(x, down), up, bias).mul_(layer.scaling(weight))
+                # In place where nothing else can see the output (the same bits as peft's
+                # out-of-place sum, without two more passes over an output-sized tensor).
+                if term.dtype == output.dtype and not torch.is_grad_enabled():
+                    output.add_(term)
+                else:
+                    output = output + term
         return output.to(result_dtype)
     return add_low_rank
