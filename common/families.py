@@ -122,7 +122,8 @@ WAN = Family(
 # whose ``__call__`` has WanPipeline's defaults; the geometry of Wan T2V (the transformer takes
 # 36 channels in the same patches: the noisy latents' 16 beside the condition's 20, a 4-channel
 # mask and the encoded frames' 16). It renders from an image, the first frame (FLF2V: and a
-# last one); at sp=1 (Wan2.1 I2V's image cross-attention is not split).
+# last one). Wan2.2 I2V splits its sequence over sp > 1 ranks as Wan T2V does; Wan2.1's image
+# cross-attention is not split (`checkpoint_family`).
 WAN_I2V = Family(
     name="wan-i2v", diffusers_classes=("WanImageToVideoPipeline",),
     pipeline="WanI2VPipeline",
@@ -133,6 +134,7 @@ WAN_I2V = Family(
     max_tokens=75_600,  # its largest released setting: 1280x720, 81 frames
     inputs=frozenset({"image"}),
     needs_input=True,
+    sequence_parallel=True,
 )
 # CogVideoX: ``CogVideoXPipeline.__call__``'s defaults (the transformer's sample size 90x60
 # latents times the VAE's 8: 720x480; 49 frames, 50 steps, guidance 6) at the 8 fps of its
@@ -199,7 +201,7 @@ GENERIC = Family(
     max_tokens=16_384,
 )
 
-FAMILIES = (TINY, WAN, WAN_I2V, COGVIDEOX, COSMOS3, MINIMAX_H3)
+FAMILIES = (TINY, WAN, COGVIDEOX, COSMOS3, MINIMAX_H3, WAN_I2V)
 _BY_DIFFUSERS_CLASS = {c: f for f in FAMILIES for c in f.diffusers_classes}
 
 
@@ -304,6 +306,13 @@ def _wan_t2v_geometry(model: str, family: Family) -> dict[str, Any]:
     return _wan_geometry(model, family) | ({"inputs": frozenset()} if wan22 else {})
 
 
+def _wan_i2v_geometry(model: str, family: Family) -> dict[str, Any]:
+    # Wan2.1 I2V and FLF2V attend to CLIP tokens (``image_dim``), which
+    # ``runtime.pipelines.wan_sequence`` does not split: they run at sp=1.
+    clip = _config(model, "transformer").get("image_dim") is not None
+    return _wan_geometry(model, family) | ({"sequence_parallel": False} if clip else {})
+
+
 def _cogvideox_geometry(model: str, family: Family) -> dict[str, Any]:
     # ``CogVideoXPipeline``: 2 ** (VAE blocks - 1) in space, the VAE's
     # temporal_compression_ratio in time; the transformer's patch_size, and patch_size_t
@@ -332,7 +341,7 @@ def _cosmos3_geometry(model: str, family: Family) -> dict[str, Any]:
             "patch_size": (1, patch, patch), "size_multiple": max(family.size_multiple, spatial)}
 
 
-_GEOMETRY = {WAN.name: _wan_t2v_geometry, WAN_I2V.name: _wan_geometry,
+_GEOMETRY = {WAN.name: _wan_t2v_geometry, WAN_I2V.name: _wan_i2v_geometry,
              COGVIDEOX.name: _cogvideox_geometry,
              COSMOS3.name: _cosmos3_geometry}
 
@@ -344,7 +353,8 @@ def checkpoint_family(model: str) -> Family:
     multiples of the larger of the family's ``size_multiple`` and VAE factor x patch, and a clip
     has 1 + k x the VAE's time factor frames. Wan2.2 TI2V-5B (a VAE of 16 in space): multiples
     of 32. A missing or unreadable config keeps the family's numbers (diffusers' defaults). A
-    Wan2.2 text-to-video checkpoint takes no video (``_wan_t2v_geometry``)."""
+    Wan2.2 text-to-video checkpoint takes no video (``_wan_t2v_geometry``); a Wan2.1
+    image-to-video one runs at sp=1 (``_wan_i2v_geometry``)."""
     family = family_of(model)
     read = _GEOMETRY.get(family.name)
     if read is None:

@@ -81,8 +81,9 @@ def enable_sequence_parallel(model: Any, sp: SequenceParallel) -> None:
     sp.check_heads(model.config.num_attention_heads, type(model).__name__)
     blocks = model.blocks
     if any(b.attn1.add_k_proj is not None or b.attn2.add_k_proj is not None for b in blocks):
-        raise ValueError("sequence parallelism renders text-to-video Wan models; this one has "
-                         "image-conditioning projections (I2V)")
+        raise ValueError("sequence parallelism renders Wan models whose cross-attention reads "
+                         "the text alone; this one has image-conditioning projections "
+                         "(Wan2.1 I2V)")
     state = _Forward()
 
     def split_inputs(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

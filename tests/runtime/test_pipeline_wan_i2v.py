@@ -136,6 +136,22 @@ def test_two_ranks_render_two_differently_conditioned_jobs_each_as_alone(model_d
     assert not np.array_equal(alone[0], alone[1])
 
 
+@pytest.mark.slow
+def test_wan22_i2v_at_sp2_renders_what_one_rank_does_bit_for_bit(model_dirs):
+    # 48x48: 3 x 3 x 3 = 27 tokens, which sp=2 does not divide.
+    r = request("wan22-i2v", width=48, height=48,
+                conditioning=Conditioning(image=picture(1)[:48, :48]))
+    split = generate_on_ranks(str(model_dirs["wan22-i2v"]), [r], dp=1, sp=2, timeout_s=180)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(2))
+    try:
+        alone = kiln_frames(model_dirs["wan22-i2v"], r)
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(split[0], alone)
+    np.testing.assert_array_equal(split[1], alone)  # the replica's ranks hold one video
+
+
 def test_a_checkpoint_of_an_i2v_job_resumes_bit_for_bit(model_dirs):
     pipe = load_diffusers(model_dirs["wan22-i2v"])
     try:
@@ -184,8 +200,11 @@ def test_the_i2v_family_is_found_by_its_pipeline_class_and_takes_images(model_di
     diffusers = pytest.importorskip("diffusers")
     for name in SPECS:
         assert family_of(str(model_dirs[name])) is WAN_I2V
-        assert checkpoint_family(str(model_dirs[name])).size_multiple == 16
-    assert WAN_I2V.inputs == {"image"}
+        found = checkpoint_family(str(model_dirs[name]))
+        assert found.size_multiple == 16
+        # Wan2.1's CLIP cross-attention is not split over sp > 1 ranks; Wan2.2's experts are.
+        assert found.sequence_parallel == (name == "wan22-i2v")
+    assert WAN_I2V.inputs == {"image"} and WAN_I2V.needs_input
     params = inspect.signature(diffusers.WanImageToVideoPipeline.__call__).parameters
     d = WAN_I2V.defaults
     assert (d.width, d.height, d.num_frames, d.num_inference_steps, d.guidance_scale) == tuple(
