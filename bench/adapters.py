@@ -10,10 +10,12 @@ so drift in machine load hits each alike (``--reps`` rounds, median of each):
   proj, fc1, fc2), weight 1.
 
 Prints JSON: the microseconds an idle hook adds to one Linear call, then per token count the
-median forward seconds of each mode and their ratios to ``none`` (and the ratios of the fastest
-forwards, less disturbed by other load). CPU, fp32, the process's torch threads.
+median forward seconds of each mode and their ratios to ``none``, by wall time and by the CPU
+time the process spent (which other processes' load disturbs least). CPU, fp32, ``--threads``
+torch threads (1 by default).
 
 Usage: python bench/adapters.py [--width 1024] [--tokens 256,2048] [--blocks 2] [--rank 16]
+       [--reps 7] [--threads 1]
 """
 
 from __future__ import annotations
@@ -61,27 +63,30 @@ def measure(width: int, blocks: int, tokens: int, rank: int, reps: int) -> dict[
         "hooks_idle": lambda: hooked(x),
         "adapter": lambda: _with(pipe, adapter, hooked, x),
     }
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
     with torch.no_grad():
         for run in runs.values():  # warm-up; installs the hooks on the hooked copy
             run()
         assert torch.equal(plain(x), hooked(x))  # idle hooks change no bit
         for _ in range(reps):
             for name, run in runs.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 run()
-                times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(t) for name, t in times.items()}
-    best = {name: min(t) for name, t in times.items()}
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+    med = {name: statistics.median(t) for name, t in wall.items()}
+    med_cpu = {name: statistics.median(t) for name, t in cpu.items()}
     return {
         "tokens": tokens, "width": width, "blocks": blocks, "rank": rank, "reps": reps,
         "threads": torch.get_num_threads(),
         **{f"{name}_s": round(s, 4) for name, s in med.items()},
         "hooks_idle_ratio": round(med["hooks_idle"] / med["none"], 3),
         "adapter_ratio": round(med["adapter"] / med["none"], 3),
-        # The fastest of each: less of the machine's other load in it than the median.
-        "hooks_idle_ratio_min": round(best["hooks_idle"] / best["none"], 3),
-        "adapter_ratio_min": round(best["adapter"] / best["none"], 3),
+        # The same from the CPU seconds the process spent: what other processes' load on the
+        # machine changes least (with one thread, nothing but the forward's own work).
+        "hooks_idle_cpu_ratio": round(med_cpu["hooks_idle"] / med_cpu["none"], 3),
+        "adapter_cpu_ratio": round(med_cpu["adapter"] / med_cpu["none"], 3),
     }
 
 
@@ -120,7 +125,10 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's own)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(json.dumps({"idle_hook_us_per_linear_call": round(hook_call_us(), 2)}), flush=True)
     for tokens in (int(t) for t in args.tokens.split(",")):
         print(json.dumps(measure(args.width, args.blocks, tokens, args.rank, args.reps)),
