@@ -571,6 +571,8 @@ class Coordinator:
             r["job_id"] = jobs[0].ticket.job_id if jobs else None
             r["suspended_jobs"] = [h.ticket.job_id for h in jobs[1:]]
             r["replica"] = self.layout.replica(r["rank"])
+            # What the blocks are kept and moved in: the group's setting, the same on every rank.
+            r["weights_dtype"] = self.config.weights_dtype
         reason = None
         if state == "ready" and self.degraded is not None:
             state, reason = "degraded", self.degraded

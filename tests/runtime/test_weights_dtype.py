@@ -346,3 +346,22 @@ def test_a_diffusers_model_streams_its_transformer_blocks_in_the_weights_dtype(t
     assert stored["bf16"] * 2 == stored["checkpoint"]
     assert stored["fp8"] < 0.3 * stored["checkpoint"]
     assert psnr["bf16"] >= 35 and psnr["fp8"] >= 30
+
+
+def test_the_group_reports_its_weights_dtype_with_every_rank():
+    from kiln.config import WorkerConfig
+    from kiln.coordinator import Coordinator
+    from runtime.sequence import Layout
+
+    class Reports:
+        def __init__(self) -> None:
+            self.reports: list[Any] = []
+
+        def report(self, report: Any) -> None:
+            self.reports.append(report)
+
+    io = Reports()
+    coordinator = Coordinator(WorkerConfig(dp=2, weights_dtype="fp8"), Layout(dp=2), "allgather",
+                              "cpu", io=io, group_id="g", lease_seconds=60)  # type: ignore[arg-type]
+    coordinator.report([{"rank": 1, "stored_block_bytes": 900}, {"rank": 0}])
+    assert [r["weights_dtype"] for r in io.reports[-1].ranks] == ["fp8", "fp8"]
