@@ -26,6 +26,7 @@ from api.headers import SecurityHeaders, page_policy, store_origin
 from api.jobs import QueueRoom
 from api.metrics import make_registry
 from api.routes import (
+    adapters,
     batches,
     dashboard,
     docs,
@@ -127,6 +128,7 @@ def create_app(
     app.include_router(models.router)
     app.include_router(docs.router)
     app.include_router(files.router)
+    app.include_router(adapters.router)
     app.include_router(webhook_secret.router)
     return app
 

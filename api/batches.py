@@ -31,7 +31,7 @@ from api.schemas import (
 )
 from common import netguard
 from common.settings import Settings
-from storage import batches, input_files
+from storage import adapters, batches, input_files
 from storage.submission import JobSpec
 from storage.tables import Batch, Job, JobClass, JobState, User
 
@@ -207,12 +207,15 @@ def _validated(data: dict[str, Any]) -> BatchCreate:
 
 
 def specs_from_submission(sub: Submission, s: Settings, now: datetime,
-                          kind_of: jobs.InputKinds = jobs.no_inputs) -> list[JobSpec]:
+                          kind_of: jobs.InputKinds = jobs.no_inputs,
+                          adapter_model: jobs.AdapterModels = jobs.no_adapters
+                          ) -> list[JobSpec]:
     """Every job of the batch as a checked `JobSpec`: its line laid over the defaults, class
     ``batch``, the window's times, validated by `JobCreate` and `jobs.spec_from_job_create`
     exactly as `POST /v1/jobs` would. Any bad line fails the whole batch with a 422 naming each
     bad line (up to `MAX_REPORTED_LINES`) and field. ``kind_of`` looks up the submitter's
-    uploads, for lines (or defaults) with an ``input_file_id``."""
+    uploads, for lines (or defaults) with an ``input_file_id``; ``adapter_model`` the adapters
+    they may use, for lines (or defaults) with ``adapters``."""
     body = sub.body
     if not body.jobs:
         raise _invalid([_problem("jobs", "a batch needs at least one job", "too_short")])
@@ -232,7 +235,7 @@ def specs_from_submission(sub: Submission, s: Settings, now: datetime,
     # instead of on every line.
     probe = {**body.defaults, "prompt": body.defaults.get("prompt") or "probe", **window}
     errors = (_batch_rules(body.defaults, body.defaults, window)
-              or _job_errors(probe, s, now, kind_of))
+              or _job_errors(probe, s, now, kind_of, adapter_model))
     if errors:
         raise _invalid([
             {**e, "loc": ("body", f"{'window' if field in window else 'defaults'}.{field}")}
@@ -248,7 +251,7 @@ def specs_from_submission(sub: Submission, s: Settings, now: datetime,
             errors = _batch_rules(item, merged, window)
             if not errors:
                 merged.update(window, **{"class": JobClass.BATCH.value})
-                spec_or_errors = _job_spec(merged, s, now, kind_of)
+                spec_or_errors = _job_spec(merged, s, now, kind_of, adapter_model)
                 if isinstance(spec_or_errors, JobSpec):
                     specs.append(replace(spec_or_errors, batch_index=line))
                     continue
@@ -278,11 +281,13 @@ def _batch_rules(item: dict[str, Any], merged: dict[str, Any],
     return errors
 
 
-def _job_spec(data: dict[str, Any], s: Settings, now: datetime,
-              kind_of: jobs.InputKinds) -> JobSpec | list[tuple[str, dict[str, Any]]]:
+def _job_spec(data: dict[str, Any], s: Settings, now: datetime, kind_of: jobs.InputKinds,
+              adapter_model: jobs.AdapterModels
+              ) -> JobSpec | list[tuple[str, dict[str, Any]]]:
     """The spec `POST /v1/jobs` would make of ``data``, or its errors as (field, error)."""
     try:
-        return jobs.spec_from_job_create(JobCreate.model_validate(data), s, now, kind_of)
+        return jobs.spec_from_job_create(JobCreate.model_validate(data), s, now, kind_of,
+                                         adapter_model)
     except ValidationError as exc:
         return [(".".join(str(p) for p in e["loc"]) or "body", e)
                 for e in exc.errors(include_url=False)]
@@ -290,9 +295,9 @@ def _job_spec(data: dict[str, Any], s: Settings, now: datetime,
         return [(".".join(str(p) for p in e["loc"][1:]) or "body", e) for e in exc.errors()]
 
 
-def _job_errors(data: dict[str, Any], s: Settings, now: datetime,
-                kind_of: jobs.InputKinds) -> list[tuple[str, dict[str, Any]]]:
-    result = _job_spec(data, s, now, kind_of)
+def _job_errors(data: dict[str, Any], s: Settings, now: datetime, kind_of: jobs.InputKinds,
+                adapter_model: jobs.AdapterModels) -> list[tuple[str, dict[str, Any]]]:
+    result = _job_spec(data, s, now, kind_of, adapter_model)
     return [] if isinstance(result, JobSpec) else result
 
 
@@ -301,7 +306,8 @@ def submit(session: Session, redis: Redis, s: Settings, user: User, sub: Submiss
     """Checks every job, stores the batch and its jobs in one transaction, then dispatches them
     to Redis; an idempotent replay answers 200 with the batch made earlier."""
     now = jobs.now()
-    specs = specs_from_submission(sub, s, now, input_files.kinds_of(session, user))
+    specs = specs_from_submission(sub, s, now, input_files.kinds_of(session, user),
+                                  adapters.models_of(session, user))
     digest = jobs.request_hash("batch", sub.body.model_dump(mode="json"))
     window = sub.body.window
     with jobs.creation_errors_as_http(s):

@@ -123,9 +123,37 @@ def check_input(p: _Problems, s: Settings, spec: JobSpec, kind_of: InputKinds, *
                                       fit=spec.input_fit, strength=spec.strength, able=able))
 
 
+#: The model of the caller's (or a shared) adapter of that id; None: no such adapter for them.
+AdapterModels = Callable[[str], str | None]
+
+
+def no_adapters(adapter_id: str) -> str | None:
+    return None
+
+
+def check_adapters(p: _Problems, spec: JobSpec, model_of: AdapterModels) -> None:
+    """Each adapter the request names is one the caller may use (their own or a shared one),
+    registered for the request's model, and named once: a deleted or foreign id is refused
+    here, at the door, rather than failing on a rank."""
+    seen: set[str] = set()
+    for i, item in enumerate(spec.adapters or ()):
+        field, adapter_id = f"adapters.{i}.id", item["id"]
+        model = model_of(adapter_id)
+        if model is None:
+            p.add(field, "adapter not found: give the id of an adapter of yours or a shared "
+                         "one (GET /v1/adapters)")
+        elif model != spec.model:
+            p.add(field, f"the adapter is for {model}, not {spec.model}")
+        elif adapter_id in seen:
+            p.add(field, "the same adapter is named twice")
+        seen.add(adapter_id)
+
+
 def spec_from_job_create(body: JobCreate, s: Settings, now: datetime,
-                         kind_of: InputKinds = no_inputs) -> JobSpec:
-    """``kind_of``: looks up the caller's uploads, for ``input_file_id``."""
+                         kind_of: InputKinds = no_inputs,
+                         adapter_model: AdapterModels = no_adapters) -> JobSpec:
+    """``kind_of``: looks up the caller's uploads, for ``input_file_id``; ``adapter_model``:
+    the adapters they may use, for ``adapters``."""
     model = body.model or s.default_model
     d = request_defaults(s, model)
     given = {f.name: getattr(body, f.name) for f in dataclasses.fields(d)}
@@ -147,10 +175,13 @@ def spec_from_job_create(body: JobCreate, s: Settings, now: datetime,
         input_fit=body.fit or ("crop" if body.input_file_id is not None else None),
         strength=body.strength,
         audio=body.audio,
+        adapters=([{"id": a.id, "scale": a.scale} for a in body.adapters]
+                  if body.adapters else None),
     )
     p = _Problems()
     _check_common(p, s, spec, now)
     check_input(p, s, spec, kind_of)
+    check_adapters(p, spec, adapter_model)
     if metadata_bytes(spec.metadata) > s.max_metadata_bytes:
         p.add("metadata", f"at most {s.max_metadata_bytes} bytes as JSON")
     p.raise_if_any()
@@ -343,7 +374,8 @@ def job_public(job: Job, *, queue_position: int | None = None,
         video_url=f"/v1/jobs/{job.id}/video" if done and job.output_video_key else None,
         thumbnail_url=(f"/v1/jobs/{job.id}/thumbnail"
                        if done and job.output_thumbnail_key else None),
-        has_audio=job.has_audio, error=_error(job),
+        has_audio=job.has_audio, adapters=job.adapters,  # type: ignore[arg-type]
+        error=_error(job),
     )
 
 

@@ -85,6 +85,25 @@ GuidanceScale = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
+# A job's adapters: at most this many, each with a scale in [-MAX_ADAPTER_SCALE, MAX_ADAPTER_SCALE].
+MAX_JOB_ADAPTERS = 4
+MAX_ADAPTER_SCALE = 4.0
+# An adapter's name: what `kiln submit --adapter NAME[:SCALE]` gives (no colon).
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+class JobAdapter(BaseModel):
+    """One LoRA adapter a job applies, with its scale (1: as trained, 0: no effect)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[Text, Field(min_length=1, max_length=64,
+                              description="an adapter of yours or a shared one "
+                                          "(GET /v1/adapters)")]
+    scale: Annotated[float, Field(ge=-MAX_ADAPTER_SCALE, le=MAX_ADAPTER_SCALE,
+                                  allow_inf_nan=False)] = 1.0
+
+
 class JobCreate(BaseModel):
     """POST /v1/jobs. Omitted fields get the deployment's defaults."""
 
@@ -133,6 +152,10 @@ class JobCreate(BaseModel):
     audio: StrictBool | None = Field(
         default=None, description="write the soundtrack the model makes (left out: yes, "
                                   "where the model makes one)")
+    adapters: Annotated[list[JobAdapter], Field(
+        max_length=MAX_JOB_ADAPTERS,
+        description="LoRA adapters to apply, each with its scale, in this order: registered "
+                    "ones (POST /v1/adapters) for this model")] | None = None
 
 
 class BatchWindow(BaseModel):
@@ -247,6 +270,8 @@ class JobPublic(BaseModel):
                                   "video; null: the model's default")
     video_url: str | None
     thumbnail_url: str | None
+    adapters: list[JobAdapter] | None = Field(
+        default=None, description="the LoRA adapters it applies, with their scales")
     has_audio: bool | None = Field(
         default=None, description="whether the video has a soundtrack (an AAC stream in the "
                                   "MP4); null until the video is written")
@@ -421,6 +446,33 @@ class FileList(BaseModel):
 class FileDeleted(BaseModel):
     id: str
     object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class AdapterPublic(BaseModel):
+    """A registered LoRA adapter: checked against its model's transformer when it was
+    registered, and usable by jobs for that model."""
+
+    id: str
+    object: Literal["adapter"] = "adapter"
+    name: str
+    model: str
+    family: str
+    rank: int = Field(description="the largest rank of its layers")
+    bytes: int
+    sha256: str = Field(description="of the file's bytes")
+    shared: bool = Field(description="registered by an admin for every user")
+    created_at: int = Field(description="Unix seconds")
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterPublic]
+
+
+class AdapterDeleted(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
     deleted: bool = True
 
 

@@ -16,9 +16,11 @@ bf16, tests/runtime/test_adapters.py). The gathers of a step are the same with o
 adapters.
 
 - `load_adapter` reads a ``.safetensors`` LoRA in any layout diffusers' loader of the family
-  accepts (its own ``lora_state_dict`` normalises the keys) and checks it against the
-  transformer's modules: a ``ValueError`` names the first key that matches no Linear, the first
-  shape that does not fit, or a rank that disagrees with the file's config.
+  accepts (its own ``lora_state_dict`` normalises the keys; kiln-tiny, which diffusers does not
+  know, takes peft's names as diffusers writes them, ``transformer.<module>.lora_A.weight``)
+  and checks it against the transformer's modules: a ``ValueError`` names the first key that
+  matches no Linear, the first shape that does not fit, or a rank that disagrees with the
+  file's config.
 - ``VideoRequest.adapters`` holds a job's ``(Adapter, weight)`` pairs, and
   ``VideoPipeline.step`` runs the job's forwards inside `use_adapters`, which sets them as the
   rank's current adapters for the duration. A job without adapters sets nothing.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import re
 import weakref
@@ -47,8 +50,10 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch import nn
 
-#: diffusers' LoRA loader of each family, whose ``lora_state_dict`` normalises a file's keys.
-LOADERS = {
+#: diffusers' LoRA loader of each family, whose ``lora_state_dict`` normalises a file's keys;
+#: None: the keys are read as they are (kiln-tiny, which diffusers has no loader for).
+LOADERS: dict[str, str | None] = {
+    "kiln-tiny": None,
     "wan": "WanLoraLoaderMixin",
     "cogvideox": "CogVideoXLoraLoaderMixin",
     "cosmos3": "CosmosLoraLoaderMixin",
@@ -136,8 +141,9 @@ def use_adapters(pipe: Any, adapters: Sequence[tuple[Adapter, float]]) -> Iterat
 
 def named_transformers(pipe: Any) -> dict[str, nn.Module]:
     """The transformers of a kiln pipeline around a diffusers one (its ``pipe``), by the
-    attribute diffusers names them with; none for a pipeline of another kind."""
-    inner = getattr(pipe, "pipe", None)
+    attribute diffusers names them with, or kiln-tiny's (its ``model``); none for a pipeline of
+    another kind."""
+    inner = getattr(pipe, "pipe", None) or getattr(pipe, "model", None)
     return {name: module for name in TRANSFORMER_NAMES
             if isinstance(module := getattr(inner, name, None), nn.Module)}
 
@@ -153,21 +159,23 @@ def load_adapter(path: str | Path, family: str, transformers: Mapping[str, nn.Mo
     transformer. The scale of each module is the file's LoRA config where diffusers wrote one
     (rank, alpha, their per-module patterns, rsLoRA), else ``alpha == rank`` (scale 1), as
     diffusers loads such a file."""
-    # Here, not at the top: runtime.pipelines.base imports this module, and a kiln-tiny process
-    # never loads diffusers.
-    import diffusers.loaders as loaders
-    from diffusers.utils import convert_unet_state_dict_to_peft
-
     path = Path(path)
     if family not in LOADERS:
         raise ValueError(f"{family} takes no LoRA adapters; {', '.join(LOADERS)} do")
     if not path.is_file():
         raise ValueError(f"{path}: no such adapter file")
-    mixin = getattr(loaders, LOADERS[family])
+    loader = LOADERS[family]
     try:
-        state_dict, metadata = mixin.lora_state_dict(str(path), use_safetensors=True,
-                                                     local_files_only=True,
-                                                     return_lora_metadata=True)
+        if loader is None:
+            state_dict, metadata = _read_plain(path)
+        else:
+            # Here, not at the top: runtime.pipelines.base imports this module, and a kiln-tiny
+            # process never loads diffusers.
+            import diffusers.loaders as loaders
+
+            state_dict, metadata = getattr(loaders, loader).lora_state_dict(
+                str(path), use_safetensors=True, local_files_only=True,
+                return_lora_metadata=True)
     except (OSError, SafetensorError) as e:
         raise ValueError(f"{path}: not a safetensors LoRA file ({e})") from e
     if not state_dict:
@@ -175,11 +183,28 @@ def load_adapter(path: str | Path, family: str, transformers: Mapping[str, nn.Mo
     target, prefix = _target(path, state_dict, transformers, into)
     state_dict = {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items()}
     if "lora_A" not in next(iter(state_dict)):  # as diffusers' load_lora_adapter converts
+        from diffusers.utils import convert_unet_state_dict_to_peft
+
         state_dict = convert_unet_state_dict_to_peft(state_dict)
     config = {k.removeprefix(f"{prefix}."): v for k, v in (metadata or {}).items()
               if k.startswith(f"{prefix}.")}
     layers = _layers(path, state_dict, config, transformers[target])
     return Adapter(name=name or path.stem, target=target, layers=layers, digest=_digest(layers))
+
+
+def _read_plain(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The file's tensors as named, and the LoRA config diffusers' ``save_lora_weights`` writes
+    in its ``lora_adapter_metadata`` entry (None without one)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        raw = (f.metadata() or {}).get("lora_adapter_metadata")
+        state_dict = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    try:
+        metadata = json.loads(raw) if raw else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: its lora_adapter_metadata is not JSON ({e})") from e
+    return state_dict, metadata
 
 
 def _target(path: Path, state_dict: Mapping[str, torch.Tensor],

@@ -46,6 +46,12 @@ def input_key(file_id: str, extension: str) -> str:
     return _checked(f"inputs/{file_id}.{extension}")
 
 
+def adapter_key(sha256: str) -> str:
+    """A registered LoRA adapter's ``.safetensors`` bytes, by their sha256 (hex): one object
+    however many registrations name the same file."""
+    return _checked(f"adapters/{sha256}.lora")
+
+
 def checkpoint_key(job_id: str) -> str:
     """A running job's newest denoising checkpoint (``runtime.resume``), from which it resumes
     where it stopped."""

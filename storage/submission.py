@@ -90,6 +90,8 @@ class JobSpec(RenderFields):
     source_job_id: str | None = None
     strength: float | None = None
     audio: bool | None = None
+    # LoRA adapters, [{"id", "scale"}] in the order given (checked at the door); None: none.
+    adapters: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +283,7 @@ def new_job_row(owner_id: int, spec: JobSpec, *, request_hash: str,
         source_job_id=spec.source_job_id,
         strength=spec.strength,
         audio=spec.audio,
+        adapters=[dict(a) for a in spec.adapters] if spec.adapters else None,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
         state=JobState.QUEUED.value,

@@ -1,5 +1,5 @@
 """SQLAlchemy tables: users with their API keys and webhook secrets, jobs, batches, worker
-groups, job events, uploaded input files.
+groups, job events, uploaded input files, LoRA adapters.
 
 The schema is created and changed only by the Alembic revisions in ``migrations/``; these classes
 are what the code reads and writes, and a test checks that the two agree.
@@ -26,6 +26,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -273,6 +274,9 @@ class Job(Base):
     # written (None until the video is).
     audio: Mapped[bool | None] = mapped_column(Boolean)
     has_audio: Mapped[bool | None] = mapped_column(Boolean)
+    # LoRA adapters (`LoraAdapter`) the render applies: [{"id", "scale"}], in the order given;
+    # None: none. Checked at the door; one deleted before the job runs fails it when claimed.
+    adapters: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
 
 
 class WorkerGroup(Base):
@@ -393,5 +397,35 @@ class InputFile(Base):
     height: Mapped[int]
     num_frames: Mapped[int]  # 1 for an image
     duration_seconds: Mapped[float | None] = mapped_column(Float)  # None for an image
+    storage_key: Mapped[str] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class LoraAdapter(Base):
+    """A registered LoRA adapter for one model: a diffusers-format ``.safetensors`` file checked
+    against the model's transformer modules and shapes when it was registered
+    (`storage.adapters`). Its bytes live in the output store under a key made of their sha256,
+    so two registrations of one file share the object. ``owner_id`` None: shared by an admin
+    with every user."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (
+        # A name is unique among one user's adapters, and among the shared ones.
+        Index("uq_adapters_owner_name", "owner_id", "name", unique=True,
+              postgresql_where=text("owner_id IS NOT NULL"),
+              sqlite_where=text("owner_id IS NOT NULL")),
+        Index("uq_adapters_shared_name", "name", unique=True,
+              postgresql_where=text("owner_id IS NULL"), sqlite_where=text("owner_id IS NULL")),
+        Index("ix_adapters_sha256", "sha256"),
+    )
+
+    id: Mapped[str] = mapped_column(String(JOB_ID_LENGTH), primary_key=True)
+    owner_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(100))
+    model: Mapped[str] = mapped_column(String(100))  # the model it was checked against
+    family: Mapped[str] = mapped_column(String(32))
+    rank: Mapped[int]  # the largest rank of its layers
+    size_bytes: Mapped[int] = mapped_column(BigInteger)  # the file's
+    sha256: Mapped[str] = mapped_column(String(64))  # of the file's bytes
     storage_key: Mapped[str] = mapped_column(String(255))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -17,7 +17,7 @@ from api.schemas import JobCreate, JobList, JobPublic, SafeQuery
 from common.families import family_of
 from common.settings import Settings
 from scheduler import queue_index
-from storage import input_files, lifecycle, queries
+from storage import adapters, input_files, lifecycle, queries
 from storage.outputs import OutputStore, preview_key, preview_step
 from storage.tables import InputFile, Job, JobClass, JobState, User
 
@@ -71,7 +71,8 @@ def create_job(body: JobCreate, user: CurrentUser, session: SessionDep, redis: R
                settings: SettingsDep, room: QueueRoomDep, response: Response,
                idempotency_key: IdempotencyKey = None) -> JobPublic:
     spec = jobs.spec_from_job_create(body, settings, jobs.now(),
-                                     input_files.kinds_of(session, user))
+                                     input_files.kinds_of(session, user),
+                                     adapters.models_of(session, user))
     digest = jobs.request_hash("job", body.model_dump(mode="json", by_alias=True))
     created, position = jobs.submit(session, redis, settings, user, spec,
                                        request_hash=digest, idempotency_key=idempotency_key,

@@ -268,8 +268,8 @@ def test_a_file_that_does_not_fit_the_transformer_is_refused_naming_the_first_pr
         garbage.write_bytes(b"not a tensor file")
         with pytest.raises(ValueError, match="garbage.safetensors: not a safetensors LoRA file"):
             load_adapter(garbage, "wan", transformers)
-        with pytest.raises(ValueError, match="kiln-tiny takes no LoRA adapters"):
-            load_adapter(wan["a"], "kiln-tiny", transformers)
+        with pytest.raises(ValueError, match="wan-i2v takes no LoRA adapters"):
+            load_adapter(wan["a"], "wan-i2v", transformers)
         with pytest.raises(ValueError, match="no transformer_2"):
             load_adapter(wan["a"], "wan", transformers, into="transformer_2")
         # An adapter for a transformer the pipeline does not run fails the step, whose gathers
