@@ -496,6 +496,11 @@ class RankPublic(BaseModel):
                                   "the two slots the others stream through")
     model_bytes: int | None = Field(
         default=None, description="the streamed transformers' whole size, unsharded")
+    adapter_bytes: int | None = Field(
+        default=None, description="LoRA adapters loaded on the rank (their factors and device "
+                                  "copies)")
+    adapter_budget_bytes: int | None = Field(
+        default=None, description="the most its adapter cache keeps (KILN_ADAPTER_CACHE_BYTES)")
 
 
 class ReplicaPublic(BaseModel):

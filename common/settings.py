@@ -162,6 +162,10 @@ class Settings(BaseSettings):
     # rank, a restart) resumes where it was, bit for bit. Both 0: no checkpoints.
     checkpoint_every_steps: int = Field(default=5, ge=0)
     checkpoint_every_seconds: float = Field(default=60.0, ge=0)
+    # Each rank keeps the LoRA adapters of the jobs it took loaded (their factors on its device)
+    # in an LRU cache of at most this many bytes (`runtime.adapter_cache`); an adapter larger
+    # than this fails the job that names it.
+    adapter_cache_bytes: int = Field(default=1024 * 1024 * 1024, ge=0)
     # How often the API re-adds queued jobs from the database to the Redis queue index.
     reconcile_interval_seconds: float = Field(default=60.0, gt=0)
     # A worker group that has not reported for this long is shown as stale.

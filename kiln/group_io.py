@@ -21,10 +21,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from redis import Redis, RedisError
+from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from common.settings import Settings
+from runtime.adapter_cache import AdapterRef
 from runtime.pipelines.base import Conditioning, VideoRequest
 from runtime.rank_loop import Ticket
 from scheduler import queue_index
@@ -37,7 +39,7 @@ from storage.db import make_engine, make_session_factory
 from storage.lifecycle import Beat
 from storage.outages import describe, is_outage
 from storage.outputs import OutputStore, make_store
-from storage.tables import InputFile, Job
+from storage.tables import InputFile, Job, LoraAdapter
 from storage.webhooks import LIVE_EVENTS
 from storage.workers import GroupReport, report_group
 
@@ -180,14 +182,39 @@ class ServerIO:
                     outcome="failed", error=f"the input file cannot be read: {exc}",
                     code="input_unavailable"))
                 continue
+            try:
+                adapters = self._adapters(job)
+            except LookupError as exc:  # deleted after the job was submitted
+                log.warning("job %s: %s", job.id, exc)
+                self.finish(job.id, claim.attempt_token, Ending(
+                    outcome="failed", error=str(exc), code="adapter_unavailable"))
+                continue
             claimed = Claimed(replica=replica, job_class=job.class_, model=job.model,
                               tokens=job_tokens(job), attempt=job.attempts,
                               ticket=Ticket(job_id=job.id, attempt_token=claim.attempt_token,
                                             attempt=job.attempts,
-                                            request=request, audio=job.audio is not False))
+                                            request=request, audio=job.audio is not False,
+                                            adapters=adapters))
             out.append(claimed)
             self.started(job)
         return out
+
+    def _adapters(self, job: Job) -> tuple[AdapterRef, ...]:
+        """Where each rank of the replica reads the job's adapters, and their scales (the bytes
+        stay off the mailbox); `LookupError` for one deleted since the job was submitted."""
+        if not job.adapters:
+            return ()
+        with self.sessions() as session:
+            rows = {row.id: row for row in session.scalars(select(LoraAdapter).where(
+                LoraAdapter.id.in_([a["id"] for a in job.adapters])))}
+        refs = []
+        for item in job.adapters:
+            row = rows.get(item["id"])
+            if row is None:
+                raise LookupError(f"adapter {item['id']} was deleted before the job ran")
+            refs.append(AdapterRef(key=row.storage_key, sha256=row.sha256,
+                                   scale=float(item["scale"]), name=row.name))
+        return tuple(refs)
 
     def _conditioning(self, job: Job) -> Conditioning | None:
         """The pixels ``job`` starts from, fitted to its size (None: text only); `Rejected`

@@ -28,11 +28,13 @@ from redis import Redis
 from sqlalchemy.orm import Session
 
 from common import logs
-from common.families import family_of
+from common.families import checkpoint_family, family_of
 from common.settings import Settings
 from kiln.config import WorkerConfig
 from kiln.coordinator import Coordinator, job_log, new_group_id
 from kiln.group_io import ServerIO
+from runtime.adapter_cache import AdapterCache
+from runtime.adapters import LOADERS
 from runtime.launch import (
     RankContext,
     RankFailure,
@@ -90,6 +92,11 @@ class StoreCheckpoints:
         self.store.delete(checkpoint_key(job_id))
 
 
+def _read(store: OutputStore, key: str) -> bytes:
+    with store.open(key) as f:
+        return f.read()
+
+
 def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> None:
     """Everything one rank does, from loading the model to leaving the group."""
     # A rank is a process of its own (spawned, or torchrun's) that inherits no logging: every
@@ -108,13 +115,16 @@ def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> No
                          weights_dtype=config.weights_dtype)
     store = make_store(settings)
     checkpoints = (settings.checkpoint_every_steps > 0 or settings.checkpoint_every_seconds > 0)
+    family = checkpoint_family(config.model).name
+    adapters = (AdapterCache(lambda key: _read(store, key), family, pipe,
+                             settings.adapter_cache_bytes) if family in LOADERS else None)
     loop = RankLoop(ctx.rank, pipe, store_writer(store), platform,
                     host_memory_every_seconds=config.report_seconds, layout=layout,
                     preview_every_steps=settings.preview_every_steps,
                     checkpoints=StoreCheckpoints(store) if checkpoints else None,
                     checkpoint_every_steps=settings.checkpoint_every_steps,
                     checkpoint_every_seconds=settings.checkpoint_every_seconds,
-                    model_fingerprint=model_fingerprint(config.model))
+                    model_fingerprint=model_fingerprint(config.model), adapters=adapters)
     coordinator = None
     if ctx.rank == 0:
         coordinator = make_coordinator(settings, config, layout, platform.name)

@@ -67,6 +67,7 @@ import torch.distributed as dist
 from common import logs
 from common.procs import cgroup_memory_bytes
 from runtime import resume
+from runtime.adapter_cache import AdapterCache, AdapterRef
 from runtime.mailbox import Mailbox, open_mailbox
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
 from runtime.render import frames_to_uint8, memory_figures, soundtrack
@@ -117,6 +118,8 @@ class Ticket:
     attempt: int = 0  # its number (1 for a first claim), for the log lines
     request: VideoRequest
     audio: bool = True
+    # Its LoRA adapters, loaded by each rank of the replica when it takes the job (`adapters`).
+    adapters: tuple[AdapterRef, ...] = ()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -295,8 +298,9 @@ class RankLoop:
                  max_held_jobs: int = MAX_HELD_JOBS, layout: Layout = SOLO,
                  preview_every_steps: int = 0, checkpoints: Checkpoints | None = None,
                  checkpoint_every_steps: int = 0, checkpoint_every_seconds: float = 0.0,
-                 model_fingerprint: str = "") -> None:
+                 model_fingerprint: str = "", adapters: AdapterCache | None = None) -> None:
         self.rank = rank
+        self.adapters = adapters  # the loaded LoRA adapters (None: this rank takes none)
         self.layout = layout
         # The replica this rank renders with, named by its first rank; only that rank (the
         # leader) decodes, stores and reports the replica's job.
@@ -421,7 +425,8 @@ class RankLoop:
 
     def _take(self, ticket: Ticket) -> _Job:
         """A new job's state: from the newest checkpoint of an earlier attempt when there is a
-        compatible one, else from step 0."""
+        compatible one, else from step 0. Its adapters are loaded here, before any step."""
+        request = self._with_adapters(ticket)
         blob = None
         if self.checkpoints is not None:
             try:
@@ -431,7 +436,7 @@ class RankLoop:
                             "from step 0", self.rank, ticket.job_id, _one_line(exc))
         if blob is not None:
             try:
-                state = resume.restore(self.pipe, ticket.request, blob,
+                state = resume.restore(self.pipe, request, blob,
                                        model_fingerprint=self.model_fingerprint)
             except resume.IncompatibleCheckpoint as exc:
                 log.warning("rank %d: job %s's checkpoint is not used: %s; it starts from "
@@ -442,10 +447,18 @@ class RankLoop:
                          extra=_about(ticket))
                 return _Job(ticket, state, resumed_from_step=state.step_index,
                             checkpointed_step=state.step_index, checkpointed_at=time.monotonic())
-        job = _Job(ticket, self.pipe.prepare(ticket.request), checkpointed_at=time.monotonic())
+        job = _Job(ticket, self.pipe.prepare(request), checkpointed_at=time.monotonic())
         if self.leads:
             log.info("taken: %d steps", job.state.num_inference_steps, extra=_about(ticket))
         return job
+
+    def _with_adapters(self, ticket: Ticket) -> VideoRequest:
+        """The ticket's request with its adapters loaded (`runtime.adapter_cache`)."""
+        if not ticket.adapters:
+            return ticket.request
+        if self.adapters is None:
+            raise ValueError("this worker takes no adapters")
+        return replace(ticket.request, adapters=self.adapters.get(ticket.adapters))
 
     def step(self, active: Any = None) -> Rendered | Ended | None:
         """One lock-step turn: a step of the job this rank computes (or an idle one: it holds
@@ -815,7 +828,8 @@ class RankLoop:
                 "device": str(self.platform.device),
                 "device_mem_used_bytes": total - free, "device_mem_total_bytes": total,
                 "host_mem_bytes": pss, "cgroup_mem_bytes": cgroup_memory_bytes(),
-                "job_id": self._job_id(), "pid": os.getpid(), **self.weight_figures()}
+                "job_id": self._job_id(), "pid": os.getpid(), **self.weight_figures(),
+                **(self.adapters.figures() if self.adapters is not None else {})}
 
     def weight_figures(self) -> dict[str, int]:
         """The streamed transformers' figures, summed (`DLOHandle.weight_figures`); none for a
