@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from kiln.cli import batch, client, health, plan, render, service, up, worker
+from kiln.cli import adapters, batch, client, health, plan, render, service, up, worker
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kiln: batch video rendering "
                   "with diffusion transformers bigger than one accelerator.")
@@ -53,6 +53,7 @@ app.add_typer(up.app)  # up
 app.add_typer(worker.app)  # worker
 app.add_typer(plan.app)  # plan
 app.add_typer(batch.app, name="batch")  # batch submit, status, report
+app.add_typer(adapters.app, name="adapters")  # adapters add, list, rm
 
 if __name__ == "__main__":
     app()

@@ -179,11 +179,15 @@ def submit(
     = None,
     strength: Annotated[float | None, typer.Option(
         help="Video-to-video: how far the render moves from --video (1: pure noise).")] = None,
+    adapter: Annotated[list[str] | None, typer.Option(
+        help="A LoRA adapter to apply, NAME[:SCALE] (scale 1 if left out): one of yours or a "
+             "shared one (kiln adapters list). Repeatable.", show_default=False)] = None,
     api: ApiUrl = DEFAULT_API_URL,
     key: ApiKey = None,
 ) -> None:
     """Submit a job and print its id; --wait follows it to the end (exit 1 unless it succeeds).
     --image or --video is uploaded first (checked by the API) and the job starts from it."""
+    wanted = [parse_adapter(text) for text in adapter or ()]
     if image is not None and video is not None:
         raise typer.BadParameter("give --image or --video, not both")
     source = image or video
@@ -205,6 +209,9 @@ def submit(
                         "purpose": "image" if image is not None else "video"},
                         files={"file": (source.name, file)}).json()
                 body["input_file_id"] = uploaded["id"]
+            if wanted:
+                body["adapters"] = [{"id": adapter_id(client, name, model), "scale": scale}
+                                    for name, scale in wanted]
             job = client.request("POST", "/v1/jobs", json=body).json()
             typer.echo(job["id"])
             if not (wait or out is not None):
@@ -224,6 +231,35 @@ def submit(
                 typer.echo(f"saved {out} ({num_bytes} bytes)", err=True)
         except ApiError as exc:
             fail(exc)
+
+
+def parse_adapter(text: str) -> tuple[str, float]:
+    """``NAME[:SCALE]`` as (name, scale)."""
+    name, sep, scale = text.rpartition(":") if ":" in text else (text, "", "")
+    try:
+        value = float(scale) if sep else 1.0
+    except ValueError:
+        raise typer.BadParameter(f"expected NAME[:SCALE] such as squares:0.8, got {text!r}",
+                                 param_hint="--adapter") from None
+    if not name:
+        raise typer.BadParameter(f"expected NAME[:SCALE], got {text!r}", param_hint="--adapter")
+    return name, value
+
+
+def adapter_id(client: Client, name: str, model: str | None) -> str:
+    """The id of the adapter called ``name`` (for ``model``, when given): the caller's own
+    before a shared one of the same name; an id is taken as it is."""
+    found = client.request("GET", "/v1/adapters",
+                           params={"model": model} if model else {}).json()["data"]
+    if any(a["id"] == name for a in found):
+        return name
+    named = sorted((a for a in found if a["name"] == name), key=lambda a: a["shared"])
+    if not named:
+        raise ApiError(f"no adapter named {name!r}" + (f" for {model}" if model else "")
+                       + " (kiln adapters list)")
+    if len({a["model"] for a in named}) > 1:
+        raise ApiError(f"adapters named {name!r} exist for several models; pass --model")
+    return str(named[0]["id"])
 
 
 @app.command()
