@@ -113,6 +113,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        per_path={"/v1/batches": settings.max_batch_body_bytes,
                                  "/v1/files": uploads.body_limit(settings),
+                                 "/v1/adapters": uploads.body_limit(settings),
                                  "/v1/videos": uploads.body_limit(settings),
                                  "/v1/videos/edits": uploads.body_limit(settings),
                                  "/v1/videos/extensions": uploads.body_limit(settings)})

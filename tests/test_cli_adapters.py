@@ -12,7 +12,10 @@ from safetensors.torch import save_file
 from servers import Service, serving_api
 from sqlalchemy import select
 
+from kiln.cli.up import DEMO_ADAPTER, DEMO_ADAPTER_FILE, register_demo_adapter
+from runtime.models import tiny_adapter
 from storage.tables import Job
+from storage.users import create_api_key
 
 
 @pytest.fixture
@@ -55,3 +58,16 @@ def test_a_file_that_does_not_fit_is_refused_with_the_apis_reason(service: Servi
     assert "shape mismatch at 'blocks.0.attn_out'" in result.output and "HTTP 422" in result.output
     bad_scale = service.kiln("submit", "x", "--adapter", "squares:lots")
     assert bad_scale.exit_code == 2 and "NAME[:SCALE]" in bad_scale.output
+
+
+def test_kiln_up_registers_the_demo_adapter_shared_once(service: Service) -> None:
+    assert (DEMO_ADAPTER, DEMO_ADAPTER_FILE) == (tiny_adapter.NAME, tiny_adapter.WEIGHTS.name)
+    with service.db.session() as s:
+        root = create_api_key(s, "root", is_admin=True).key
+    assert register_demo_adapter(service.url, root) == "registered"
+    assert register_demo_adapter(service.url, root) == "kept"
+    listed = service.kiln("adapters", "list", who="bob")
+    assert DEMO_ADAPTER in listed.output and "yes" in listed.output
+    submitted = service.kiln("submit", "a red circle", "--adapter", DEMO_ADAPTER, who="bob")
+    assert submitted.exit_code == 0, submitted.output
+    assert register_demo_adapter(service.url, "kiln_wrong").startswith("not registered")

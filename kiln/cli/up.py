@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import IO, Annotated
 
@@ -66,6 +67,32 @@ STOP_TIMEOUT_S = {"worker": 60.0}
 DEFAULT_STOP_TIMEOUT_S = 15.0
 # Starts the lines kiln up itself writes into a child's log file (a start, an exit).
 _MARK = "----- kiln up"
+
+
+# kiln-tiny's demo LoRA adapter (`runtime.models.tiny_adapter`, whose module loads torch, which
+# kiln up does not): registered, shared, once the API is up.
+DEMO_ADAPTER = "swap-colours"
+DEMO_ADAPTER_FILE = "kiln_tiny_swap_colours.safetensors"  # in the runtime.models package
+
+
+def register_demo_adapter(api_url: str, key: str) -> str:
+    """Registers kiln-tiny's demo adapter as a shared one through the API (which checks it as
+    any other) unless a shared adapter of that name exists; says which, or why it could not."""
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+        with httpx.Client(base_url=api_url, headers=headers, timeout=60) as http:
+            listed = http.get("/v1/adapters", params={"model": "kiln-tiny"})
+            listed.raise_for_status()
+            if any(a["name"] == DEMO_ADAPTER and a["shared"] for a in listed.json()["data"]):
+                return "kept"
+            data = (resources.files("runtime.models") / DEMO_ADAPTER_FILE).read_bytes()
+            added = http.post("/v1/adapters", data={"name": DEMO_ADAPTER, "model": "kiln-tiny",
+                                                    "shared": "true"},
+                              files={"file": (DEMO_ADAPTER_FILE, data)})
+            added.raise_for_status()
+            return "registered"
+    except (httpx.HTTPError, OSError) as exc:
+        return f"not registered: {exc}"
 
 
 class GiveUp(Exception):
@@ -446,6 +473,10 @@ def up(
         api_url = f"http://{settings.api_host}:{settings.api_port}"
         api = supervisor.start(Child("api", [_KILN, "api"], env, log("api")))
         api.wait_until(lambda: _http_ok(f"{api_url}/healthz"), "the API")
+        if model == "kiln-tiny":
+            registered = register_demo_adapter(api_url, admin.key)
+            typer.echo(f"adapter   {DEMO_ADAPTER} (shared, {registered}): every shape in its "
+                       f"colour's complement; kiln submit --adapter {DEMO_ADAPTER}")
         supervisor.start(Child(
             "worker", [_KILN, "worker", "--dp", str(dp), "--sp", str(sp), "--model", model,
                        "--device", device, "--device-budget", budget,
