@@ -12,6 +12,9 @@ The budget counts each adapter's factors as loaded plus their device copy (none 
 rank, whose copy is the tensor itself). Loading one past the budget evicts the least recently
 used adapters; a job already holding an evicted adapter keeps it until it ends. An adapter
 larger than the whole budget fails the job that names it.
+
+A job without adapters pays nothing: a rank takes the hooks off (`AdapterCache.unhook`) when it
+takes such a job and holds none with adapters, so its forwards run without a hook call.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.adapters import Adapter, load_adapter, named_transformers
+from runtime.adapters import Adapter, load_adapter, named_transformers, remove_adapter_hooks
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +60,22 @@ class AdapterCache:
         self.device = torch.device(getattr(pipe, "device", "cpu"))
         self._loaded: OrderedDict[str, tuple[Adapter, int]] = OrderedDict()  # sha -> (, bytes)
         self.loads = 0  # files read and checked (a hit reads nothing)
+        self.hooked = False  # a job with adapters was taken since the hooks were last removed
 
     def get(self, refs: Sequence[AdapterRef]) -> tuple[tuple[Adapter, float], ...]:
         """The job's ``(Adapter, scale)`` pairs, in its order; a ``ValueError`` says why one
         cannot be used (not readable, not the registered bytes, not fitting this model)."""
+        self.hooked = True  # the job's first step installs their hooks
         return tuple((self._adapter(ref), ref.scale) for ref in refs)
+
+    def unhook(self) -> None:
+        """Takes the adapters' hooks off the pipeline's Linears (`remove_adapter_hooks`) if a
+        job with adapters may have installed them: the next job without adapters then runs
+        the transformer bare. The adapters stay loaded; the next job with one hooks again."""
+        if self.hooked:
+            removed = remove_adapter_hooks(self.pipe)
+            self.hooked = False
+            log.info("adapter hooks taken off %d Linears", removed)
 
     @property
     def used_bytes(self) -> int:

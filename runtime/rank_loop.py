@@ -453,8 +453,12 @@ class RankLoop:
         return job
 
     def _with_adapters(self, ticket: Ticket) -> VideoRequest:
-        """The ticket's request with its adapters loaded (`runtime.adapter_cache`)."""
+        """The ticket's request with its adapters loaded (`runtime.adapter_cache`). A job
+        without adapters taken when no held job has any takes the adapters' hooks off first, so
+        it pays nothing for the jobs with adapters before it."""
         if not ticket.adapters:
+            if self.adapters is not None and not any(j.ticket.adapters for j in self.jobs):
+                self.adapters.unhook()
             return ticket.request
         if self.adapters is None:
             raise ValueError("this worker takes no adapters")

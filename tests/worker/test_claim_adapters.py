@@ -76,6 +76,10 @@ def tiny_pipe() -> TinyPipeline:
     return TinyPipeline.load(offload=False)
 
 
+def _hooked(pipe: TinyPipeline) -> int:
+    return sum(hasattr(m, "_kiln_lora_hook") for m in pipe.model.transformer.modules())
+
+
 def _setup(db, session: Session, r: redis.Redis, prefix: str,  # noqa: ANN001
            tmp_path: Path) -> tuple[ServerIO, Job, LocalStore, Any, bytes]:
     settings = Settings(_env_file=None, database_url=db.url, redis_url=REDIS_URL,  # type: ignore[call-arg]
@@ -118,16 +122,20 @@ def test_a_job_with_an_adapter_renders_differently_and_as_a_local_render_with_it
     cache = AdapterCache(read, "kiln-tiny", tiny_pipe, budget_bytes=10**8)
     write = Frames()
     loop = RankLoop(0, tiny_pipe, write, PLATFORM, adapters=cache)  # type: ignore[arg-type]
+    plain_ticket = Ticket(job_id="plain", attempt_token="t", request=ticket.request)
     try:
+        before = render(loop, write, replace(plain_ticket, job_id="before"))
         adapted = render(loop, write, ticket)
+        assert _hooked(tiny_pipe) == 4  # the four Linears the adapter adapts
         again = render(loop, write, replace(ticket, job_id="again"))
-        plain = render(loop, write, Ticket(job_id="plain", attempt_token="t",
-                                           request=ticket.request))
+        plain = render(loop, write, plain_ticket)
+        assert _hooked(tiny_pipe) == 0  # a job without adapters runs the transformer bare
     finally:
         loop.close()
     assert cache.loads == 1  # the second job found it loaded
     assert cache.figures()["adapters_loaded"] == 1
     assert np.array_equal(adapted, again)
+    assert np.array_equal(plain, before)
     assert np.abs(adapted.astype(int) - plain.astype(int)).mean() > 1.0
 
     # A render here with the file loaded by hand gives the same frames, bit for bit.
