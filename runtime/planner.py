@@ -47,7 +47,7 @@ from common.families import tokens as count_tokens
 from runtime.budget import WEIGHTS_DTYPES
 from runtime.launch import RankContext, run_ranks
 from runtime.models.tiny import TinyConfig
-from runtime.pipelines.base import VideoRequest, agree_handles
+from runtime.pipelines.base import Conditioning, VideoRequest, agree_handles
 from runtime.render import load_pipeline, memory_figures
 from runtime.sequence import Layout, open_sequence
 
@@ -76,10 +76,18 @@ class JobShape:
     def tokens(self, model: str) -> int:
         return count_tokens(self.width, self.height, self.num_frames, family=family_of(model))
 
-    def request(self, seed: int = 0) -> VideoRequest:
+    def request(self, model: str, seed: int = 0) -> VideoRequest:
+        """The profile's job for ``model``. A family that renders only from an input
+        (image-to-video) gets a plain grey image of the job's size: a step costs the same
+        whatever the picture."""
+        conditioning = None
+        if family_of(model).needs_input:
+            grey = torch.full((self.height, self.width, 3), 128, dtype=torch.uint8)
+            conditioning = Conditioning(image=grey)
         return VideoRequest(prompt="a red circle moving left", width=self.width,
                             height=self.height, num_frames=self.num_frames,
-                            num_inference_steps=self.steps, seed=seed)
+                            num_inference_steps=self.steps, seed=seed,
+                            conditioning=conditioning)
 
     def __str__(self) -> str:
         return f"{self.width}x{self.height}x{self.num_frames}x{self.steps}"
@@ -114,7 +122,7 @@ def _measure_on_rank(ctx: RankContext, model: str, layout: Layout, mode: str, jo
     try:
         handle = pipe.handles[0]
         t0 = time.perf_counter()
-        state = pipe.prepare(job.request(seed=layout.replica(ctx.rank)))
+        state = pipe.prepare(job.request(model, seed=layout.replica(ctx.rank)))
         prepare = time.perf_counter() - t0
         times, waits, gathers = [], [], []
         for _ in range(steps):

@@ -28,6 +28,7 @@ from runtime.pipelines.base import Conditioning, VideoRequest
 from runtime.pipelines.reference import run_reference
 from runtime.pipelines.registry import load_diffusers
 from runtime.pipelines.wan_i2v import WanI2VPipeline
+from runtime.planner import JobShape
 from runtime.render import generate_on_ranks
 
 SPECS = {
@@ -167,6 +168,20 @@ def test_a_checkpoint_of_an_i2v_job_resumes_bit_for_bit(model_dirs):
         while not resumed.done:
             pipe.step(resumed)
         assert torch.equal(pipe.decode(resumed), whole)
+    finally:
+        pipe.close()
+
+
+def test_the_planners_profile_job_brings_the_image_an_i2v_model_needs(model_dirs):
+    model = str(model_dirs["wan22-i2v"])
+    r = JobShape(width=48, height=32, num_frames=5, steps=1).request(model)
+    assert r.conditioning.image.shape == (32, 48, 3)
+    assert JobShape().request("kiln-tiny").conditioning is None  # text alone will do
+    pipe = load_diffusers(model)
+    try:
+        state = pipe.prepare(r)
+        pipe.step(state)
+        assert state.done
     finally:
         pipe.close()
 
