@@ -1,8 +1,8 @@
 """The job page (``GET /dashboard/jobs/{id}``), rendered on the server: the job's parameters, its
 timeline from ``job_events`` (created, each attempt with its worker group, rank and outcome,
 where an attempt resumed from, its suspensions for interactive jobs, finished), its video and
-thumbnail, the image or video it started from (with how it was fitted, and the strength), its
-error, and a cancel button.
+thumbnail, the image or video it started from (with how it was fitted, and the strength), the
+LoRA adapters it applies (by name, with their scales), its error, and a cancel button.
 
 The HTML is ``templates/job.html``, where every piece of user text is escaped (autoescape, see
 `api.pages`). The page's scripts, served by kiln (``assets/page.js``, shared with the batch page,
@@ -16,9 +16,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
 from api import pages
 from common.families import family_of
-from storage.tables import TERMINAL_STATES, InputFile, Job, JobEvent, JobState
+from storage.tables import TERMINAL_STATES, InputFile, Job, JobEvent, JobState, LoraAdapter
 from storage.webhooks import DeliveryLog, wants
 
 _OUTCOMES = {"requeued", "succeeded", "failed", "dead", "cancelled"}
@@ -63,11 +66,23 @@ def _timeline(job: Job, events: Sequence[JobEvent]) -> list[_Row]:
     return rows
 
 
+def adapter_names(session: Session, job: Job) -> dict[str, str]:
+    """The names of the job's adapters by id (one deleted since has none)."""
+    ids = [a["id"] for a in job.adapters or ()]
+    if not ids:
+        return {}
+    rows = session.execute(select(LoraAdapter.id, LoraAdapter.name)
+                           .where(LoraAdapter.id.in_(ids)))
+    return {adapter_id: name for adapter_id, name in rows}
+
+
 def render_main(job: Job, events: Sequence[JobEvent], group_names: dict[str, str], *,
                 owner: str | None = None, deliveries: DeliveryLog | None = None,
-                input_file: InputFile | None = None) -> str:
+                input_file: InputFile | None = None,
+                adapter_names: dict[str, str] | None = None) -> str:
     """The ``<main>`` of the page for ``job`` (``templates/job.html``); ``input_file``: the
-    upload it starts from (its ``input_file_id``'s row), shown beside its outputs."""
+    upload it starts from (its ``input_file_id``'s row), shown beside its outputs;
+    ``adapter_names``: its adapters' names by id (`adapter_names`)."""
     state = JobState(job.state)
     total = job.progress_total or job.num_inference_steps
     step = total if state == JobState.SUCCEEDED else min(job.progress_step, total)
@@ -78,7 +93,7 @@ def render_main(job: Job, events: Sequence[JobEvent], group_names: dict[str, str
         last_event=events[-1].id if events else 0,
         preview=state == JobState.RUNNING and family_of(job.model).previews,
         rows=_timeline(job, events), group_names=group_names, owner=owner,
-        input_file=input_file,
+        input_file=input_file, adapters=job.adapters or [], adapter_names=adapter_names or {},
         deliveries=deliveries if job.webhook_url else None,
         final_wanted=wants(job.webhook_events, f"job.{state.value}"),
         delivery_chips=_DELIVERY_CHIPS,

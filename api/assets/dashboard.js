@@ -89,6 +89,20 @@
     $("input-file").accept = kinds.map((k) => k === "image"
       ? "image/png,image/jpeg,image/webp" : "video/mp4,video/webm").join(",");
     if (!kinds.length) clearInput();
+    loadAdapters(m.id);
+  }
+
+  async function loadAdapters(model) {  // the caller's and the shared adapters for the model
+    let found = [];
+    try {
+      found = (await (await api(`/v1/adapters?model=${encodeURIComponent(model)}`)).json()).data;
+    } catch (err) {
+      found = [];  // an API without adapters: the form offers none
+    }
+    $("adapters").innerHTML = '<option value="">none</option>' + found.map((a) =>
+      `<option value="${esc(a.id)}">${esc(a.name)}${a.shared ? " (shared)" : ""}</option>`)
+      .join("");
+    $("adapter-label").hidden = $("adapter-scale-label").hidden = !found.length;
   }
 
   let previewUrl = null;
@@ -128,7 +142,12 @@
     for (const el of form.elements) {
       if (!el.name || el.type === "file" || el.value.trim() === "") continue;
       if (el.name === "fit" && !file) continue;
+      if (el.name === "adapter" || el.name === "adapter_scale") continue;  // as adapters, below
       body[el.name] = el.type === "number" ? Number(el.value) : el.value.trim();
+    }
+    if (form.elements.adapter.value) {
+      const scale = form.elements.adapter_scale.value.trim();
+      body.adapters = [{ id: form.elements.adapter.value, scale: scale === "" ? 1 : Number(scale) }];
     }
     const local = [];  // the rest is checked by the API, whose messages name the nearest values
     if (!body.prompt) local.push({ field: "prompt", message: "write what the video shows" });

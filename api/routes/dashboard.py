@@ -142,7 +142,8 @@ def _render_job(session: Session, job_id: str, user: User) -> str:
     deliveries = webhooks.delivery_log(session, job.id) if job.webhook_url else None
     input_file = session.get(InputFile, job.input_file_id) if job.input_file_id else None
     main = job_page.render_main(job, events, names, owner=owner, deliveries=deliveries,
-                                input_file=input_file)
+                                input_file=input_file,
+                                adapter_names=job_page.adapter_names(session, job))
     session.commit()  # ends the read transaction in this thread
     return main
 

@@ -32,8 +32,8 @@ def lora_file(modules: dict[str, tuple[int, int]], *, rank: int = 4,
     return save(tensors, metadata=metadata)
 
 
-GOOD = lora_file({"blocks.0.attn_out": (TINY_DIM, TINY_DIM), "blocks.1.qkv": (TINY_DIM, 3 * TINY_DIM)},
-                 config={"r": 4, "lora_alpha": 4})
+GOOD = lora_file({"blocks.0.attn_out": (TINY_DIM, TINY_DIM),
+                  "blocks.1.qkv": (TINY_DIM, 3 * TINY_DIM)}, config={"r": 4, "lora_alpha": 4})
 
 
 def register(api, who: str, data: bytes, **fields: str) -> Any:  # noqa: ANN001
@@ -159,3 +159,15 @@ def test_a_batch_sets_one_default_for_all_its_lines(api) -> None:  # noqa: ANN00
     by_prompt = {job["prompt"]: job["adapters"] for job in jobs}
     assert by_prompt == {"a red square": [{"id": adapter["id"], "scale": 0.8}],
                          "a blue circle": None}
+
+
+def test_the_job_page_names_its_adapters_with_their_scales(api) -> None:  # noqa: ANN001
+    mine = register(api, "alice", GOOD, name="squares").json()
+    gone = register(api, "alice", GOOD, name="gone").json()
+    job = submit(api, "alice", [{"id": mine["id"], "scale": 0.8}, {"id": gone["id"]}]).json()
+    api.client.delete(f"/v1/adapters/{gone['id']}", headers=api.auth("alice"))
+    page = api.client.get(f"/dashboard/jobs/{job['id']}", headers=api.auth("alice")).text
+    shown = page[page.index('<span id="adapters">'):][:400]
+    assert "squares × 0.8" in shown
+    assert f'<span class="mono">{gone["id"]}</span> <span class="dim">(deleted)</span> × 1.0' \
+        in shown
