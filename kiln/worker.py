@@ -92,6 +92,11 @@ class StoreCheckpoints:
         self.store.delete(checkpoint_key(job_id))
 
 
+def adapter_budget(settings: Settings, model: str) -> int:
+    """Each rank's adapter cache budget, for a model that takes adapters (else none)."""
+    return settings.adapter_cache_bytes if checkpoint_family(model).name in LOADERS else 0
+
+
 def _read(store: OutputStore, key: str) -> bytes:
     with store.open(key) as f:
         return f.read()
@@ -115,9 +120,9 @@ def serve_rank(ctx: RankContext, settings: Settings, config: WorkerConfig) -> No
                          weights_dtype=config.weights_dtype)
     store = make_store(settings)
     checkpoints = (settings.checkpoint_every_steps > 0 or settings.checkpoint_every_seconds > 0)
-    family = checkpoint_family(config.model).name
-    adapters = (AdapterCache(lambda key: _read(store, key), family, pipe,
-                             settings.adapter_cache_bytes) if family in LOADERS else None)
+    budget = adapter_budget(settings, config.model)
+    adapters = (AdapterCache(lambda key: _read(store, key), checkpoint_family(config.model).name,
+                             pipe, budget) if budget else None)
     loop = RankLoop(ctx.rank, pipe, store_writer(store), platform,
                     host_memory_every_seconds=config.report_seconds, layout=layout,
                     preview_every_steps=settings.preview_every_steps,
@@ -223,7 +228,8 @@ def plan_layout(settings: Settings, config: WorkerConfig) -> WorkerConfig:
     job = JobShape(d.width, d.height, d.num_frames, d.num_inference_steps)
     profile, source = load_or_measure(config.model, settings.data_dir)
     result = plan(profile, world, job, tokens=job.tokens(config.model),
-                  heads=heads_of(config.model), weights_dtype=config.weights_dtype)
+                  heads=heads_of(config.model), weights_dtype=config.weights_dtype,
+                  adapter_bytes=adapter_budget(settings, config.model))
     best, runner_up = choose(result, goal)
     reason = result.reasons["latency" if goal == "latency" else "throughput"]
     log.info("layout auto for %d rank(s), goal %s, job %s: %s (predicted %.3g s a job, %.0f "

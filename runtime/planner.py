@@ -453,14 +453,16 @@ def stored_sizes(p: Profile, weights_dtype: str) -> dict[str, int]:
 def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int,
             resident_blocks: int = 0, threads: int = 1, nodes: int = 1,
             inter_node_bytes_per_second: float = 25e9 / 8,
-            weights_dtype: str = "checkpoint") -> Prediction:
+            weights_dtype: str = "checkpoint", adapter_bytes: int = 0) -> Prediction:
     """``nodes``: machines the ranks are spread over, each like this one (the profile's), in
     rank order; a collective that crosses machines runs at the slower of this machine's rate
     and ``inter_node_bytes_per_second`` (default 25 Gb/s). ``weights_dtype``: the blocks are
     kept, copied and gathered at their size in it (`stored_sizes`): the host holds them once
     (allgather's shards; rank-local: the checkpoint's shared mapping, or each rank's own copy
     when they are cast), the two slots hold the largest, and a cast block needs a compute
-    buffer beside them; resident blocks stay in the compute dtype."""
+    buffer beside them; resident blocks stay in the compute dtype. ``adapter_bytes``: each
+    rank's LoRA adapter cache at its budget (``runtime.adapter_cache``), counted on its device
+    and in its host memory."""
     w = layout.world
     shard = math.ceil(tokens / layout.sp)
     per_node = math.ceil(w / nodes)
@@ -512,8 +514,8 @@ def predict(p: Profile, layout: Layout, mode: str, job: JobShape, *, tokens: int
         notes.append(f"gathers cross {nodes} machines at the link's rate")
     return Prediction(
         dp=layout.dp, sp=layout.sp, mode=mode, resident_blocks=resident_blocks,
-        host_bytes=int(host_total + resident * w),
-        device_bytes=int(slots + resident + p.nonblock_bytes + activations),
+        host_bytes=int(host_total + (resident + adapter_bytes) * w),
+        device_bytes=int(slots + resident + p.nonblock_bytes + activations + adapter_bytes),
         step_seconds=step, latency_seconds=latency,
         jobs_per_hour=layout.dp * 3600 / latency if latency > 0 else 0.0,
         compute_seconds=compute * p.num_blocks, transfer_seconds=transfer * streamed,
@@ -538,10 +540,11 @@ class Plan:
 def plan(p: Profile, world: int, job: JobShape, *, tokens: int, heads: int | None = None,
          device_budget: int | None = None, nodes: int = 1,
          inter_node_bytes_per_second: float = 25e9 / 8,
-         weights_dtype: str = "checkpoint") -> Plan:
+         weights_dtype: str = "checkpoint", adapter_bytes: int = 0) -> Plan:
     """Every layout of ``world`` ranks (over ``nodes`` machines) in both modes, the best for one
     job's latency and for jobs per hour, and why in words; the blocks kept and moved in
-    ``weights_dtype`` (`predict`)."""
+    ``weights_dtype`` (`predict`); ``adapter_bytes`` of each rank's device budget kept for its
+    adapter cache, not for resident blocks."""
     per_block = p.block_bytes / p.num_blocks
     sizes = stored_sizes(p, weights_dtype)
     preds = []
@@ -550,12 +553,12 @@ def plan(p: Profile, world: int, job: JobShape, *, tokens: int, heads: int | Non
             resident = 0
             if device_budget:
                 room = (device_budget - 2 * sizes["max_block_bytes"]
-                        - sizes["compute_buffer_bytes"])
+                        - sizes["compute_buffer_bytes"] - adapter_bytes)
                 resident = min(p.num_blocks, max(0, int(room // per_block)))
             preds.append(predict(p, layout, mode, job, tokens=tokens, resident_blocks=resident,
                                  nodes=nodes,
                                  inter_node_bytes_per_second=inter_node_bytes_per_second,
-                                 weights_dtype=weights_dtype))
+                                 weights_dtype=weights_dtype, adapter_bytes=adapter_bytes))
     fast = min(preds, key=lambda x: (x.latency_seconds, x.host_bytes))
     many = max(preds, key=lambda x: (x.jobs_per_hour, -x.host_bytes))
     return Plan(predictions=preds, best_latency=fast, best_throughput=many,

@@ -44,6 +44,7 @@ def plan(
     ranks (dp x sp, allgather and rank-local), from a short profile of this machine and model
     (cached; measured again when stale), and mark the best for latency and for throughput."""
     # Here, not at the top: torch and the model code load only for the command that needs them.
+    from kiln.worker import adapter_budget
     from runtime.planner import JobShape, heads_of, load_or_measure, memory_table
     from runtime.planner import plan as make_plan
 
@@ -62,7 +63,8 @@ def plan(
     with console.status("profiling this machine and model (two CPU ranks)..."):
         profile, source = load_or_measure(model, get_settings().data_dir, remeasure=remeasure)
     result = make_plan(profile, world, shape, tokens=shape.tokens(model), heads=heads_of(model),
-                       nodes=nodes, inter_node_bytes_per_second=inter_node_gbps * 1e9 / 8)
+                       nodes=nodes, inter_node_bytes_per_second=inter_node_gbps * 1e9 / 8,
+                       adapter_bytes=adapter_budget(get_settings(), model))
     if as_json:
         typer.echo(json.dumps({
             "model": model, "world": world, "job": str(shape), "profile": source,
