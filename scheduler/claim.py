@@ -230,14 +230,12 @@ def _settle(redis: Redis, prefix: str, started: Sequence[QueuedJob],
 
 def _settle_now(redis: Redis, prefix: str, started: Sequence[QueuedJob],
                 step_costs: dict[str, float], done: Sequence[QueuedJob]) -> None:
-    pipe = redis.pipeline(transaction=False)
-    for job in started:
-        queue_index.charge(pipe, prefix, job_id=job.job_id, job_class=job.job_class,
-                           owner=job.owner, cost_per_step=step_costs[job.job_id],
-                           num_inference_steps=job.num_inference_steps,
-                           ttl_seconds=CHARGE_TTL_SECONDS)
-    queue_index.remove(pipe, prefix, [j.job_id for j in done])
-    pipe.execute()
+    charges = [(job.job_id, ChargeRecord.of(owner=job.owner, job_class=job.job_class,
+                                            cost_per_step=step_costs[job.job_id],
+                                            num_inference_steps=job.num_inference_steps))
+               for job in started]
+    queue_index.settle(redis, prefix, started=charges, done=[j.job_id for j in done],
+                       ttl_seconds=CHARGE_TTL_SECONDS)
 
 
 def record_result(redis: Redis, *, prefix: str, job_id: str, model: str, num_tokens: int,

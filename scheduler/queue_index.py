@@ -2,8 +2,9 @@
 
 The database is the truth; this index saves the API and the batcher from scanning it. Losing it
 loses nothing: `reconcile` puts back every queued job, and runs by itself at the next claim when
-the index was never built (a fresh or flushed Redis). A stale entry (a job no longer queued) is
-harmless: the database refuses to claim it, and the claimer drops it.
+the index was never built (a fresh or flushed Redis) or was built in another record format. A
+stale entry (a job no longer queued) is harmless: the database refuses to claim it, and the
+claimer drops it.
 
 Keys (``P`` is ``Settings.redis_prefix``, ``kiln:`` by default; ``Q`` is
 ``{model}:{class}:{priority}``):
@@ -28,8 +29,9 @@ Keys (``P`` is ``Settings.redis_prefix``, ``kiln:`` by default; ``Q`` is
 - ``P sched:built``: the record format (`scheduler.records.FORMAT`) `reconcile` filled the index
   in from the database; an index marked with another format is cleared and rebuilt.
 
-`add` and `remove` each run as one Lua script (atomic in Redis), so a job enters and leaves all
-of its keys at once, and two groups adding and removing at once leave every user's head right.
+`add` and `settle` (a claim's charges and removals; `charge` and `remove` are its parts) each run
+as one Lua script (atomic in Redis), so a job enters and leaves all of its keys at once, and two
+groups adding and removing at once leave every user's head right.
 The scripts live in ``scheduler/lua`` (a shared prelude, ``common.lua``, then one file each) and
 read records by the field names of `scheduler.records`; they get the classes in serving order and
 the priority bounds as arguments.
@@ -44,7 +46,6 @@ from importlib import resources
 from typing import Any
 
 from redis import Redis
-from redis.client import Pipeline
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -65,16 +66,19 @@ COLUMNS = (Job.id, Job.owner_id, Job.model, Job.class_, Job.priority, Job.width,
            Job.num_frames, Job.num_inference_steps, Job.created_at, Job.not_before,
            Job.deadline, Job.state)
 
-# The scripts (``scheduler/lua``), each run with the shared prelude in front of it.
-_LUA = resources.files(__package__) / "lua"
-_SCRIPTS = {name: _LUA.joinpath("common.lua").read_text() + "\n" + _LUA.joinpath(
-    f"{name}.lua").read_text() for name in ("add", "remove", "restore", "position", "pick",
-                                            "charge")}
+
+def _script(name: str) -> str:
+    """``scheduler/lua/{name}.lua`` with the prelude every script shares in front of it."""
+    lua = resources.files(__package__) / "lua"
+    return (lua / "common.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
 
 
-def _run(redis: Redis | Pipeline, name: str, prefix: str, *args: Any) -> Any:
+_SCRIPTS = {name: _script(name) for name in ("add", "settle", "restore", "position", "pick")}
+
+
+def _run(redis: Redis, name: str, prefix: str, *args: Any) -> Any:
     """Runs a script with the bounds every script takes. redis-py's `Script` sends it by SHA and
-    loads it where Redis lacks it (in a pipeline, before the pipeline runs)."""
+    loads it where Redis lacks it."""
     argv = (prefix, ",".join(CLASSES), MAX_PRIORITY, MIN_PRIORITY, *args)
     return redis.register_script(_SCRIPTS[name])(args=argv)
 
@@ -183,14 +187,24 @@ def add_one(redis: Redis, prefix: str, job: Job) -> int | None:
     return _add(redis, prefix, [job], wake=True, with_position=True)[1]
 
 
-def remove(redis: Redis | Pipeline, prefix: str, job_ids: Sequence[str]) -> int:
-    """Drops jobs from every key of the index; returns how many were in it (a pipeline queues
-    the removal and returns 0)."""
+def settle(redis: Redis, prefix: str, *, started: Sequence[tuple[str, ChargeRecord]] = (),
+           done: Sequence[str] = (), ttl_seconds: int = 0) -> int:
+    """In one script: charges each started job (id, charge) to its user, moving the class's
+    virtual time to their level, and keeps the charge as ``P sched:charge:{job id}`` for
+    ``ttl_seconds``; then drops the ``done`` jobs from every key of the index. Returns how many
+    of those were in it."""
+    charges = [a for job_id, record in started for a in (job_id, record.encode())]
     removed = 0
-    for start in range(0, len(job_ids), _CHUNK):
-        reply = _run(redis, "remove", prefix, *job_ids[start:start + _CHUNK])
-        removed += 0 if isinstance(redis, Pipeline) else int(reply)
+    for start in range(0, max(len(done), 1), _CHUNK):
+        removed += int(_run(redis, "settle", prefix, ttl_seconds, len(charges) // 2, *charges,
+                            *done[start:start + _CHUNK]))
+        charges = []
     return removed
+
+
+def remove(redis: Redis, prefix: str, job_ids: Sequence[str]) -> int:
+    """Drops jobs from every key of the index; returns how many were in it."""
+    return settle(redis, prefix, done=job_ids) if job_ids else 0
 
 
 def position(redis: Redis, prefix: str, job: Job) -> int | None:
@@ -206,15 +220,13 @@ def wait_for_work(redis: Redis, prefix: str, timeout_seconds: float) -> bool:
     return redis.blpop([wake_key(prefix)], timeout=max(timeout_seconds, 0.001)) is not None
 
 
-def charge(redis: Redis | Pipeline, prefix: str, *, job_id: str, job_class: str, owner: str,
+def charge(redis: Redis, prefix: str, *, job_id: str, job_class: str, owner: str,
            cost_per_step: float, num_inference_steps: int, ttl_seconds: int) -> None:
-    """Charges a started job to its user and moves the class's virtual time to their level.
-    The record (``P sched:charge:{job id}``, a `ChargeRecord`) also keeps the job's estimated
-    seconds per step."""
-    record = ChargeRecord(owner=owner, job_class=job_class,
-                          charged_seconds=cost_per_step * num_inference_steps,
-                          cost_per_step=cost_per_step)
-    _run(redis, "charge", prefix, job_id, ttl_seconds, record.encode())
+    """`settle` for one started job: its estimated seconds (``cost_per_step`` times its steps)
+    are charged to its user."""
+    record = ChargeRecord.of(owner=owner, job_class=job_class, cost_per_step=cost_per_step,
+                             num_inference_steps=num_inference_steps)
+    settle(redis, prefix, started=[(job_id, record)], ttl_seconds=ttl_seconds)
 
 
 def _text(value: str | bytes) -> str:
@@ -242,7 +254,8 @@ def pick(redis: Redis, prefix: str, model: str, *, now: float, aging_seconds: fl
         served[(queue["job_class"], queue["owner"])] = float(queue["served"])
         for job in queue["jobs"]:
             if job["meta"]:  # an id without its meta is mid-removal: skip it
-                jobs.append(JobMeta.decode(job["meta"]).queued_job(job["id"], float(job["due"])))
+                jobs.append(JobMeta.queued_job(job["meta"], job_id=job["id"],
+                                               due=float(job["due"])))
     return jobs, served
 
 

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from scheduler import claim as sched
 from scheduler import queue_index
 from scheduler.policy import RunningJob
-from scheduler.records import FORMAT, JobMeta, RecordError
+from scheduler.records import FORMAT, JobMeta, RecordError, encode_costs
 from storage import lifecycle, queries, submission
 from storage.submission import JobSpec
 from storage.tables import Job, JobClass, JobState, User
@@ -275,6 +275,9 @@ def test_an_index_of_an_older_record_format_is_cleared_and_rebuilt_by_the_next_c
     old_charge = queue_index.charge_key(redis_prefix, "started-before")
     redis_client.set(old_charge, json.dumps(["interactive", str(alice.id), 2.0, 0.5]))
     redis_client.hset(queue_index.served_key(redis_prefix, "interactive"), str(alice.id), 7.0)
+    costs = sched.CostModel()
+    costs.observe("kiln-big", 48, 3.0)  # a model this claim does not teach
+    redis_client.set(sched.cost_key(redis_prefix), encode_costs(costs))
     redis_client.set(queue_index.built_key(redis_prefix), "1")
     with pytest.raises(RecordError):  # what reading it as it is would do
         queue_index.pick(redis_client, redis_prefix, "kiln-tiny", now=T0.timestamp() + 5,
@@ -288,9 +291,11 @@ def test_an_index_of_an_older_record_format_is_cleared_and_rebuilt_by_the_next_c
         JobMeta(owner=str(alice.id), model="kiln-tiny", job_class="interactive", priority=5,
                 num_tokens=sched.job_tokens(second), num_inference_steps=4, deadline=None)
     assert queue_index.position(redis_client, redis_prefix, second) == 0
-    # Service is no record: the claim charged alice on top of what she had.
+    # Service and learned costs are no index records: they stay (the claim charged alice on top
+    # of what she had).
     assert float(redis_client.hget(queue_index.served_key(redis_prefix, "interactive"),
                                    str(alice.id))) > 7.0
+    assert sched.load_costs(redis_client, redis_prefix).step_seconds("kiln-big", 48) == 3.0
     assert queue_index.reconcile(session, redis_client, redis_prefix) == queue_index.Reconciled(
         added=0, removed=0)
 

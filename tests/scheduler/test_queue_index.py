@@ -274,3 +274,18 @@ def test_every_key_is_served_in_class_order_then_priority_order(redis_prefix: st
     assert queue_index.CLASSES == (INTERACTIVE, BATCH)
     assert keys == [f"{redis_prefix}ready:{c}:{p}" for c in (INTERACTIVE, BATCH)
                     for p in range(MAX_PRIORITY, MIN_PRIORITY - 1, -1)]
+
+
+def test_the_scripts_run_on_a_redis_that_has_forgotten_them(
+    redis_client: redis.Redis, redis_prefix: str,
+) -> None:
+    """The first call after Redis restarted (or flushed its scripts) loads the script it needs."""
+    job = queued("a", INTERACTIVE, 5, 1.0, 48)
+    redis_client.script_flush()
+    assert queue_index.add(redis_client, redis_prefix, [job]) == 1
+    redis_client.script_flush()
+    assert _pick(redis_client, redis_prefix, 10.0) == [job.job_id]
+    redis_client.script_flush()
+    queue_index.charge(redis_client, redis_prefix, job_id=job.job_id, job_class=INTERACTIVE,
+                       owner="a", cost_per_step=0.5, num_inference_steps=4, ttl_seconds=60)
+    assert float(redis_client.hget(queue_index.served_key(redis_prefix, INTERACTIVE), "a")) == 2.0

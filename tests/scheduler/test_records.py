@@ -32,7 +32,7 @@ def test_a_job_meta_round_trips_as_a_json_object_of_its_fields() -> None:
     assert json.loads(raw) == {"owner": "7", "model": "kiln-tiny", "job_class": "batch",
                                "priority": 3, "num_tokens": 1560, "num_inference_steps": 8,
                                "deadline": 1767272400.5}
-    assert JobMeta.decode(raw).queued_job("j1", 1767268800.25) == job
+    assert JobMeta.queued_job(raw, job_id="j1", due=1767268800.25) == job
     assert JobMeta.decode(raw.encode()) == JobMeta.of(job)  # as Redis returns it: bytes
 
 
@@ -41,8 +41,9 @@ def test_a_job_meta_holds_every_field_of_a_queued_job_but_its_id_and_due_time() 
 
 
 def test_a_charge_record_round_trips() -> None:
-    charge = ChargeRecord(owner="7", job_class="interactive", charged_seconds=12.5,
-                          cost_per_step=0.78125)
+    charge = ChargeRecord.of(owner="7", job_class="interactive", cost_per_step=0.78125,
+                             num_inference_steps=16)
+    assert charge.charged_seconds == 12.5
     assert ChargeRecord.decode(charge.encode()) == charge
 
 
