@@ -20,6 +20,7 @@ from torch import nn
 
 from common.families import TINY_MODEL, checkpoint_family
 from runtime.adapters import LOADERS, TRANSFORMER_NAMES, Adapter, load_adapter
+from runtime.models.tiny import TinyConfig, TinyTransformer
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,6 @@ def check_adapter_file(path: str | Path, model: str) -> Checked:
 def meta_transformers(model: str) -> dict[str, nn.Module]:
     """``model``'s transformers by their pipeline attribute, parameters on the meta device."""
     if model == TINY_MODEL:
-        from runtime.models.tiny import TinyConfig, TinyTransformer
-
         with torch.device("meta"):
             return {"transformer": TinyTransformer(TinyConfig())}
     from runtime.models.loading import build_on_meta  # diffusers: only for such a model

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 #: diffusers' LoRA loader of each family, whose ``lora_state_dict`` normalises a file's keys;
@@ -183,6 +183,7 @@ def load_adapter(path: str | Path, family: str, transformers: Mapping[str, nn.Mo
     target, prefix = _target(path, state_dict, transformers, into)
     state_dict = {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items()}
     if "lora_A" not in next(iter(state_dict)):  # as diffusers' load_lora_adapter converts
+        # Here: diffusers loads only for a file in another layout (a kiln-tiny process never).
         from diffusers.utils import convert_unet_state_dict_to_peft
 
         state_dict = convert_unet_state_dict_to_peft(state_dict)
@@ -195,8 +196,6 @@ def load_adapter(path: str | Path, family: str, transformers: Mapping[str, nn.Mo
 def _read_plain(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """The file's tensors as named, and the LoRA config diffusers' ``save_lora_weights`` writes
     in its ``lora_adapter_metadata`` entry (None without one)."""
-    from safetensors import safe_open
-
     with safe_open(path, framework="pt") as f:
         raw = (f.metadata() or {}).get("lora_adapter_metadata")
         state_dict = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
