@@ -473,10 +473,6 @@ def up(
         api_url = f"http://{settings.api_host}:{settings.api_port}"
         api = supervisor.start(Child("api", [_KILN, "api"], env, log("api")))
         api.wait_until(lambda: _http_ok(f"{api_url}/healthz"), "the API")
-        if model == "kiln-tiny":
-            registered = register_demo_adapter(api_url, admin.key)
-            typer.echo(f"adapter   {DEMO_ADAPTER} (shared, {registered}): every shape in its "
-                       f"colour's complement; kiln submit --adapter {DEMO_ADAPTER}")
         supervisor.start(Child(
             "worker", [_KILN, "worker", "--dp", str(dp), "--sp", str(sp), "--model", model,
                        "--device", device, "--device-budget", budget,
@@ -491,6 +487,10 @@ def up(
                  else f"{dp * sp} rank(s) (dp={dp} x sp={sp})")
         typer.echo(f"worker    {shape}, model {model}, device {device}, "
                    f"goal {goal or DEFAULT_GOAL}")
+        if model == "kiln-tiny":  # while the worker group loads
+            registered = register_demo_adapter(api_url, admin.key)
+            typer.echo(f"adapter   {DEMO_ADAPTER} (shared, {registered}): every shape in its "
+                       f"colour's complement; kiln submit --adapter {DEMO_ADAPTER}")
         how = {"kept": "the same as before", "new": "new",
                "rotated": "new; the one before is revoked"}[admin.how]
         typer.echo(f"admin key kiln_{admin.prefix}...   in {key_file} ({how})")
