@@ -79,13 +79,29 @@ def test_render_refuses_a_size_the_model_cannot_render(tmp_path):
 
 
 def test_render_refuses_an_input_the_model_does_not_take(tmp_path):
-    image = tmp_path / "start.png"
-    Image.new("RGB", (32, 32), (200, 30, 30)).save(image)
-    result = CliRunner().invoke(app, [*ARGS[:5], "--image", str(image), "--out",
+    clip = tmp_path / "start.mp4"  # kiln-tiny takes a first frame (--image), not a video
+    clip.write_bytes(b"not read: refused before anything loads")
+    result = CliRunner().invoke(app, [*ARGS[:5], "--video", str(clip), "--out",
                                       str(tmp_path / "a.mp4")])
     assert result.exit_code == 2
-    assert "kiln-tiny cannot take an image input" in result.output
+    assert "kiln-tiny cannot take a video input" in result.output
     assert "loading" not in result.output
+
+
+def test_render_starts_kiln_tiny_from_an_image_where_the_image_has_its_shape(tmp_path):
+    pixels = np.full((64, 64, 3), 80, np.uint8)
+    pixels[24:40, 36:52] = (220, 40, 40)  # a red square centred at (44, 32), grey around it
+    image = tmp_path / "start.png"
+    Image.fromarray(pixels).save(image)
+    out = tmp_path / "a.mp4"
+    result = CliRunner().invoke(app, ["render", "--model", "kiln-tiny", "--prompt",
+                                      "a red square moving left", "--image", str(image),
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    first = read_video(out)[0].astype(np.int32)
+    red = (first[..., 0] > 150) & (first[..., 1] < 100)
+    ys, xs = np.nonzero(red)
+    assert abs(xs.mean() - 43.5) < 2 and abs(ys.mean() - 31.5) < 2  # pixel centres
 
 
 def test_make_checkpoint_writes_a_diffusers_model_that_kiln_render_loads(tmp_path):

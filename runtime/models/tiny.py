@@ -17,6 +17,21 @@ frame, and a latent pixel holds the mean colours of its ``temporal_compression``
 video of colours (what it draws and where it moves are plain in the latents) and the decoder,
 trained by ``scripts/train_tiny.py``, learns to draw the sharp picture back.
 
+A render may start from a given first frame, as Wan's image-to-video models do: the transformer
+takes, beside the noisy latents, the condition :func:`first_frame_condition` builds (the clean
+latents of the first frame in latent frame 0, zeros elsewhere, and a mask channel that is 1 where
+a frame is given), concatenated on the channel axis before the patch embedding. The embedding of
+the concatenation is written as two matmuls: ``patch_embed`` on the noisy latents' patches and
+``cond_embed`` (no bias) on the condition's, so a text-only render (no condition: zeros) adds
+exactly nothing and skips the second.
+
+Weights: the state dict of :class:`KilnTiny` (``text_encoder.*``, ``transformer.*``,
+``decoder.*``) in one safetensors file, with the training settings and the :class:`TinyConfig`
+as JSON in its ``kiln_tiny`` metadata entry. ``transformer.cond_embed.weight`` is
+[dim, (latent_channels + 1) * patch_size**2]; it is zero at initialisation, and a checkpoint from
+before image conditioning, which lacks it, loads with it zero (:func:`load_weights`): the
+text-only model it was.
+
 Shapes: B batch, F latent frames, H/W latent height/width, C latent channels, L video tokens,
 T text tokens, D width, E text width.
 """
@@ -225,6 +240,11 @@ class TinyTransformer(nn.Module):
         self.cfg = cfg
         d, p, c = cfg.dim, cfg.patch_size, cfg.latent_channels
         self.patch_embed = nn.Linear(c * p * p, d)
+        # The condition's channels (the first frame's latents and a mask) into the same width;
+        # zero, so conditioning starts as the text-only model. skip_init draws no random numbers:
+        # every weight built after it gets the same initialisation as before it existed.
+        self.cond_embed = nn.utils.skip_init(nn.Linear, (c + 1) * p * p, d, bias=False)
+        nn.init.zeros_(self.cond_embed.weight)
         self.time_embed = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
         self.time_proj = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
         self.blocks = nn.ModuleList(TinyBlock(cfg) for _ in range(cfg.num_layers))
@@ -234,14 +254,23 @@ class TinyTransformer(nn.Module):
         # Set by the pipeline when the ranks of a replica split the sequence (runtime.sequence).
         self.sequence_parallel: SequenceParallel | None = None
 
-    def forward(self, x_BCFHW: torch.Tensor, timestep_B: torch.Tensor,
-                text_BTE: torch.Tensor) -> torch.Tensor:
+    def _patches(self, x_BCFHW: torch.Tensor) -> torch.Tensor:
+        """[B, C, F, H, W] -> [B, F*hp*wp, C*p*p]: one token per p x p patch of a latent frame."""
+        b, c, f, h, w = x_BCFHW.shape
+        p = self.cfg.patch_size
+        tokens = x_BCFHW.reshape(b, c, f, h // p, p, w // p, p).permute(0, 2, 3, 5, 1, 4, 6)
+        return tokens.reshape(b, f * (h // p) * (w // p), c * p * p)
+
+    def forward(self, x_BCFHW: torch.Tensor, timestep_B: torch.Tensor, text_BTE: torch.Tensor,
+                cond_BCFHW: torch.Tensor | None = None) -> torch.Tensor:
+        """``cond_BCFHW``: the first-frame condition (:func:`first_frame_condition`, C + 1
+        channels, batch 1 or B), None for a text-only render."""
         b, c, f, h, w = x_BCFHW.shape
         p, d = self.cfg.patch_size, self.cfg.dim
         hp, wp = h // p, w // p
-        # [B, C, F, H, W] -> [B, F*hp*wp, C*p*p]: one token per p x p patch of a latent frame.
-        tokens = x_BCFHW.reshape(b, c, f, hp, p, wp, p).permute(0, 2, 3, 5, 1, 4, 6)
-        x_BLD = self.patch_embed(tokens.reshape(b, f * hp * wp, c * p * p))
+        x_BLD = self.patch_embed(self._patches(x_BCFHW))
+        if cond_BCFHW is not None:
+            x_BLD = x_BLD + self.cond_embed(self._patches(cond_BCFHW))
         # The sinusoidal tables are computed on the CPU (in float64) and moved: the same bits on
         # every device.
         x_BLD = x_BLD + positions_3d(f, hp, wp, d).to(x_BLD.device, x_BLD.dtype)
@@ -318,6 +347,25 @@ def encode_video(cfg: TinyConfig, video_BNHW3: torch.Tensor) -> torch.Tensor:
     return latents * cfg.latent_scale
 
 
+def first_frame_condition(cfg: TinyConfig, image_BHW3: torch.Tensor, num_frames: int,
+                          *, given_B: torch.Tensor | None = None) -> torch.Tensor:
+    """The transformer's condition [B, C + 1, F, H/s, W/s] for clips of ``num_frames`` frames:
+    the latents of the first frames ``image_BHW3`` (RGB in [-1, 1]; :func:`encode_video` of the
+    frame alone, which is what latent frame 0 holds) in latent frame 0, zeros in the others, and
+    last a mask channel, 1 over latent frame 0. ``given_B`` (bool): which items are conditioned;
+    the others get zeros throughout, the same as no condition (training mixes both)."""
+    b, h, w, _ = image_BHW3.shape
+    s = cfg.spatial_compression
+    first_BC1HW = encode_video(cfg, image_BHW3[:, None])
+    cond = torch.zeros((b, cfg.latent_channels + 1, cfg.num_latent_frames(num_frames),
+                        h // s, w // s), dtype=first_BC1HW.dtype, device=first_BC1HW.device)
+    cond[:, :-1, :1] = first_BC1HW
+    cond[:, -1:, :1] = 1.0
+    if given_B is not None:
+        cond *= given_B.to(cond.dtype)[:, None, None, None, None]
+    return cond
+
+
 class KilnTiny(nn.Module):
     """The whole kiln-tiny model; its weights are one small state dict."""
 
@@ -339,5 +387,22 @@ def build_tiny(cfg: TinyConfig | None = None, *, trained: bool = True) -> KilnTi
         torch.manual_seed(cfg.init_seed)
         model = KilnTiny(cfg)
     if trained and cfg == TinyConfig() and TRAINED_WEIGHTS.is_file():
-        model.load_state_dict(load_file(TRAINED_WEIGHTS))
+        load_weights(model, load_file(TRAINED_WEIGHTS))
     return model.eval().requires_grad_(False)
+
+
+# Weights added after the first checkpoints; one that lacks them keeps their zero initialisation.
+ADDED_WEIGHTS = frozenset({"transformer.cond_embed.weight"})
+
+
+def load_weights(model: KilnTiny, state: dict[str, torch.Tensor]) -> None:
+    """Load a kiln-tiny state dict; one written before image conditioning has no
+    ``cond_embed`` and loads with it zero, the text-only model it was. Anything else missing or
+    unexpected is an error, as with a strict ``load_state_dict``."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) - ADDED_WEIGHTS or unexpected:
+        raise RuntimeError(f"kiln-tiny checkpoint does not fit the model: missing "
+                           f"{sorted(set(missing) - ADDED_WEIGHTS)}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name in missing:
+            model.get_parameter(name).zero_()

@@ -8,6 +8,12 @@ guidance idling the second), to measure what batching saves (``bench/gathers.py`
 
 It previews (`TinyPipeline.preview`): one latent frame through the decoder costs under a tenth of
 a step (64x64, 9 frames, 2 CPU threads: 1.2 ms against a 16 ms step, medians of 100).
+
+A request's ``conditioning.image`` (the first frame, uint8 [H, W, 3] at the request's size) is
+encoded once in `prepare` by the model's fixed encoder and given to every forward as the
+transformer's condition (``runtime.models.tiny.first_frame_condition``), to both halves of the
+guidance pair, as Wan's image-to-video pipeline does: guidance then pushes towards the prompt,
+not away from the image. Without it the render is text to video, exactly as before.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 from common.families import TINY
 from runtime.budget import AUTO, DeviceBudget, activation_bytes, resolve_budget
 from runtime.dlo import DLOHandle, apply_dlo
-from runtime.models.tiny import KilnTiny, TinyConfig, build_tiny
+from runtime.models.tiny import KilnTiny, TinyConfig, build_tiny, first_frame_condition
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
 from runtime.platform import default_device, get_platform
 from runtime.sequence import SequenceParallel
@@ -99,8 +105,25 @@ class TinyPipeline(VideoPipeline):
             latents=noise.to(self.device),
             num_inference_steps=request.num_inference_steps,
             extra={"text": text, "cond": text[:1], "uncond": text[1:],
+                   "image": self._first_frame(request),
                    "sigmas": flow_sigmas(request.num_inference_steps, self.flow_shift)},
         )
+
+    def _first_frame(self, request: VideoRequest) -> torch.Tensor | None:
+        """The transformer's condition for the request's first frame, None without one."""
+        c = request.conditioning
+        if c is None:
+            return None
+        if c.last_image is not None or c.video is not None:
+            raise ValueError("kiln-tiny takes a first frame (image) only, not a last frame "
+                             "or a video")
+        if c.image is None:
+            return None
+        if tuple(c.image.shape) != (request.height, request.width, 3):
+            raise ValueError(f"the first frame must be {request.height}x{request.width}x3 "
+                             f"(the request's size), got {tuple(c.image.shape)}")
+        image = c.image.to(self.device, torch.float32).div(127.5).sub(1)  # the decoder's range
+        return first_frame_condition(self.cfg, image[None], request.num_frames)
 
     @torch.no_grad()
     def _denoise(self, state: DenoiseState) -> None:
@@ -109,15 +132,17 @@ class TinyPipeline(VideoPipeline):
         x = state.latents
         t = torch.full((1,), float(sigma) * 1000.0, device=self.device)
         g = state.request.guidance_scale
+        image = state.extra["image"]  # both halves of the pair see the first frame
         if g > 1.0 and self.cfg_batch:
             # [cond, uncond] on the batch axis: each block computes both while it is in its slot.
             velocity, uncond = self.model.transformer(
-                torch.cat([x, x]), t.expand(2), state.extra["text"]).chunk(2)
+                torch.cat([x, x]), t.expand(2), state.extra["text"],
+                None if image is None else torch.cat([image, image])).chunk(2)
             velocity = uncond + g * (velocity - uncond)
         else:
-            velocity = self.model.transformer(x, t, state.extra["cond"])
+            velocity = self.model.transformer(x, t, state.extra["cond"], image)
             if g > 1.0:
-                uncond = self.model.transformer(x, t, state.extra["uncond"])
+                uncond = self.model.transformer(x, t, state.extra["uncond"], image)
                 velocity = uncond + g * (velocity - uncond)
         state.latents = x + (sigma_next - sigma) * velocity
         state.extra["velocity"] = velocity  # the preview's estimate of the clean video

@@ -190,18 +190,18 @@ def test_uploads_need_a_key_and_a_multipart_file(files_api) -> None:  # noqa: AN
 def test_video_input_reference_is_checked_then_refused_by_a_model_without_inputs(
         files_api) -> None:  # noqa: ANN001
     api = files_api
-    mine = upload(api, "alice", "a.png", png()).json()["id"]
+    mine = upload(api, "alice", "a.mp4", video()).json()["id"]
     bobs = upload(api, "bob", "b.png", png()).json()["id"]
     before = rows(api), stored(api)
     cases = [
-        # A good file reaches the model's answer: it takes no image.
-        ({"files": {"input_reference": ("start.png", png(), "image/png")}}, 400,
-         "input_reference: model 'kiln-tiny' cannot take an image input; no model of this "
+        # A good file reaches the model's answer: it takes an image, not a video.
+        ({"files": {"input_reference": ("start.mp4", video(), "video/mp4")}}, 400,
+         "input_reference: model 'kiln-tiny' cannot take a video input; no model of this "
          "deployment takes one"),
         ({"data": {"input_reference[file_id]": mine}}, 400,
-         "input_reference: model 'kiln-tiny' cannot take an image input"),
+         "input_reference: model 'kiln-tiny' cannot take a video input"),
         ({"json": {"prompt": "p", "input_reference": {"file_id": mine}}}, 400,
-         "input_reference: model 'kiln-tiny' cannot take an image input"),
+         "input_reference: model 'kiln-tiny' cannot take a video input"),
         # A bad one gets its own refusal first.
         ({"files": {"input_reference": ("big.png", png_declaring(30_000, 30_000))}}, 422,
          "input_reference: the image declares more than"),
@@ -231,6 +231,10 @@ def test_video_input_reference_is_checked_then_refused_by_a_model_without_inputs
     # Without a reference the route is as it was.
     r = api.client.post("/v1/videos", headers=api.auth("alice"), data={"prompt": "p"})
     assert r.status_code == 200 and rows(api)[1] == 1
+    # An image is what kiln-tiny takes: its first frame.
+    r = api.client.post("/v1/videos", headers=api.auth("alice"), data={"prompt": "p"},
+                        files={"input_reference": ("start.png", png(), "image/png")})
+    assert r.status_code == 200 and rows(api) == (before[0][0] + 1, 2), r.text
 
 
 def test_json_bodies_of_videos_keep_the_json_limit(files_api) -> None:  # noqa: ANN001
@@ -242,15 +246,15 @@ def test_json_bodies_of_videos_keep_the_json_limit(files_api) -> None:  # noqa: 
 
 def test_the_openai_sdk_uploads_and_references_files(files_api, tmp_path: Path) -> None:  # noqa: ANN001
     api = files_api
-    start = tmp_path / "start.png"
-    start.write_bytes(png(64, 48))
+    start = tmp_path / "start.mp4"  # kiln-tiny takes an image, not a video
+    start.write_bytes(video())
     with Server(api.app, lifespan="off", ws="none", http="h11") as url:
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=api.keys["alice"], max_retries=0,
                             timeout=10)
         with start.open("rb") as f:
-            uploaded = sdk.files.create(file=f, purpose="vision")
+            uploaded = sdk.files.create(file=f, purpose="user_data")
         assert (uploaded.id, uploaded.bytes, uploaded.filename) == (
-            uploaded.id, start.stat().st_size, "start.png")
+            uploaded.id, start.stat().st_size, "start.mp4")
         assert sdk.files.retrieve(uploaded.id).id == uploaded.id
         assert [f.id for f in sdk.files.list()] == [uploaded.id]
         # This SDK takes only a file as input_reference; a file id goes in extra_body, which it
@@ -260,7 +264,7 @@ def test_the_openai_sdk_uploads_and_references_files(files_api, tmp_path: Path) 
             with pytest.raises(openai.BadRequestError) as refused:
                 sdk.videos.create(prompt="p", **given)  # type: ignore[arg-type]
             assert refused.value.param == "input_reference"
-            assert "cannot take an image input" in refused.value.message
+            assert "cannot take a video input" in refused.value.message
         with pytest.raises(openai.UnprocessableEntityError, match="does not decode"):
             sdk.videos.create(prompt="p", input_reference=("cut.jpg", jpeg(400, 300)[:600]))
         assert sdk.files.delete(uploaded.id).deleted is True
