@@ -54,6 +54,9 @@ class WanI2VPipeline(WanVideoPipeline):
         """The request's first (and last) frame as the PIL images the reference takes; a
         ValueError for what this model cannot render from."""
         c = r.conditioning
+        if c is not None and c.video is not None:
+            raise ValueError(f"{self.family.name} renders from an image, not from a video (a "
+                             "Wan2.1 text-to-video model does)")
         if c is None or c.image is None:
             raise ValueError(f"{self.family.name} renders from an image (the first frame); "
                              "the request has none")

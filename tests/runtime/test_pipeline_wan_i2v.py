@@ -192,9 +192,9 @@ def test_what_a_model_cannot_render_from_is_refused_saying_why(model_dirs):
     try:
         with pytest.raises(ValueError, match="renders from an image .* has none"):
             i2v.prepare(request("wan-i2v", conditioning=None))
-        with pytest.raises(ValueError, match="renders from an image"):
-            i2v.prepare(request("wan-i2v", conditioning=Conditioning(video=torch.zeros(
-                9, 64, 64, 3, dtype=torch.uint8))))
+        with pytest.raises(ValueError, match="renders from an image, not from a video"):
+            i2v.prepare(request("wan-i2v", conditioning=Conditioning(
+                image=picture(1), video=torch.zeros(9, 64, 64, 3, dtype=torch.uint8))))
         with pytest.raises(ValueError, match=r"uint8 \[64, 64, 3\], fitted .* \[48, 64, 3\]"):
             i2v.prepare(request("wan-i2v", conditioning=Conditioning(image=picture(1)[:48])))
         with pytest.raises(ValueError, match="first frame only; a last image needs"):
