@@ -244,6 +244,9 @@ class ServerIO:
             return Conditioning(image=pixels[-1], prefix=pixels)
         if kind == "image":
             return Conditioning(image=pixels[0])
+        if len(pixels) < job.num_frames:  # a shorter clip holds its last frame to the length
+            pixels = torch.cat([pixels, pixels[-1:].expand(job.num_frames - len(pixels),
+                                                           -1, -1, -1)])
         return Conditioning(video=pixels, strength=job.strength)
 
     def interactive_due(self) -> bool:

@@ -33,15 +33,16 @@ def _png(width: int, height: int) -> bytes:
 
 
 def _setup(db, session: Session, r: redis.Redis, prefix: str, tmp_path: Path, *,  # noqa: ANN001
-           fit: str) -> tuple[ServerIO, Job, LocalStore, str]:
+           fit: str, data: bytes | None = None,
+           name: str = "start.png") -> tuple[ServerIO, Job, LocalStore, str]:
     settings = Settings(_env_file=None, database_url=db.url, redis_url=REDIS_URL,  # type: ignore[call-arg]
                         redis_prefix=prefix, output_dir=tmp_path / "outputs")
     store = LocalStore(settings.output_dir)
     owner = get_or_create_user(session, "alice")
-    data = _png(128, 64)
-    found = media.check(io.BytesIO(data), media.Limits.of(settings), filename="start.png")
+    data = _png(128, 64) if data is None else data
+    found = media.check(io.BytesIO(data), media.Limits.of(settings), filename=name)
     row = input_files.new_input_file(owner, found, file_id=input_files.new_file_id(),
-                                     purpose="user_data", filename="start.png",
+                                     purpose="user_data", filename=name,
                                      size_bytes=len(data))
     store.put_bytes(row.storage_key, data)
     session.add(row)
@@ -89,3 +90,20 @@ def test_a_job_whose_input_was_deleted_fails_at_the_claim_with_the_reason(
     failed = session.get(Job, job.id)
     assert failed.state == JobState.FAILED.value and failed.error_code == "input_unavailable"
     assert "the input file cannot be read" in failed.error
+
+
+def test_a_clip_shorter_than_the_job_holds_its_last_frame_to_the_jobs_length(
+        db, session: Session, redis_client: redis.Redis, redis_prefix: str,  # noqa: ANN001
+        tmp_path: Path) -> None:
+    from media_files import video
+
+    group, _, _, _ = _setup(db, session, redis_client, redis_prefix, tmp_path, fit="crop",
+                            data=video(frames=5, size=64), name="clip.mp4")
+    try:
+        [claimed] = group.claim([0], [], prefer="interactive", job_class=None)
+    finally:
+        group.close()
+    clip = claimed.ticket.request.conditioning.video
+    assert tuple(clip.shape) == (9, 64, 64, 3)  # the job's 9 frames from a 5-frame clip
+    assert all(bool((clip[i] == clip[4]).all()) for i in range(5, 9))
+    assert not bool((clip[3] == clip[4]).all())
