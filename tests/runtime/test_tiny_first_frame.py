@@ -1,7 +1,7 @@
 """kiln-tiny renders from a given first frame (``Conditioning.image``): the video starts with the
 shape where the frame has it, in its colour, and moves the way the prompt says; the condition's
 weights load as zero from a checkpoint that predates them; DLO, resident and a split replica
-render a conditioned job alike."""
+render a conditioned job alike, and one resumed from a checkpoint renders what it would have."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from runtime.models.tiny import build_tiny, first_frame_condition, load_weights
 from runtime.pipelines.base import Conditioning, VideoRequest
 from runtime.pipelines.tiny import TinyPipeline
 from runtime.render import generate_on_ranks
+from runtime.resume import model_fingerprint, restore, snapshot
 
 # Every colour twice, every shape four times, every direction three times (other pairings than
 # the text-only test's).
@@ -160,6 +161,23 @@ def test_a_first_frame_render_is_the_same_streamed_resident_and_split_over_two_r
     split = generate_on_ranks(TINY_MODEL, [request], dp=1, sp=2)
     np.testing.assert_array_equal(split[0], streamed.numpy())
     np.testing.assert_array_equal(split[1], split[0])
+
+
+def test_a_first_frame_job_resumed_from_its_checkpoint_renders_the_same_frames(pipe):
+    # The checkpoint holds the latents, not the condition: restore's prepare encodes the first
+    # frame again from the request.
+    image, prompt = first_frames()[1]
+    request = VideoRequest(prompt=prompt, seed=2, num_inference_steps=6,
+                           conditioning=Conditioning(image=image))
+    fingerprint = model_fingerprint(TINY_MODEL)
+    state = pipe.prepare(request)
+    for _ in range(3):
+        pipe.step(state)
+    blob = snapshot(pipe, state, model_fingerprint=fingerprint)
+    resumed = restore(pipe, request, blob, model_fingerprint=fingerprint)
+    while not resumed.done:
+        pipe.step(resumed)
+    assert torch.equal(pipe.decode(resumed), pipe.generate(request))
 
 
 @pytest.mark.parametrize("bad", ["last_image", "video", "size"])
