@@ -61,6 +61,9 @@ def request_digest(request: VideoRequest) -> str:
     adapters = fields.pop("adapters", ())
     if adapters:
         fields["adapters"] = [[adapter.digest, weight] for adapter, weight in adapters]
+    # Likewise its step cache's threshold; an exact request digests as before.
+    if fields.get("step_cache") is None:
+        fields.pop("step_cache", None)
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from runtime.dlo import hostmem
 from runtime.dlo.cast import (
     SCALE_SUFFIX,
     cast,
@@ -276,6 +277,9 @@ class DLOHandle:
         self._shards: list[torch.Tensor | None] = []
         if self._host_copy:
             self._slab, self._shards = self._fill_slab()
+            # What building it freed (a cast's temporaries, the model's own block tensors)
+            # would otherwise stay in the allocator's arenas for the life of the rank.
+            hostmem.trim()
         else:
             self._fill_resident_whole()
         self._staging = (
@@ -302,6 +306,12 @@ class DLOHandle:
         self._inflight: dict[int, tuple[int, cf.Future[Any]]] = {}  # block -> (slot, ready)
         self._bound: tuple[int, int] | None = None  # (block, slot) bound as views right now
         self._num_acquired = 0  # blocks acquired since set-up: forwards x blocks, on every rank
+        # A forward that may end after its first blocks (`hold_after`, `end_forward`): the block
+        # after which no prefetch starts until the group has decided, the slot it took, and the
+        # blocks of this forward that no rank runs (their hooks neither acquire nor bind).
+        self._hold_index: int | None = None
+        self._held_slot: int | None = None
+        self._passed: set[int] = set()
         self._hooks: list[RemovableHandle] = []
         for lay, mod in zip(layouts[resident_blocks:], block_modules[resident_blocks:],
                             strict=True):
@@ -507,7 +517,11 @@ class DLOHandle:
         else:
             with self._lock:
                 self._wait_seconds += time.perf_counter() - t0
-        self._prefetch(self._next(index), slot=1 - slot)
+        if index == self._hold_index:
+            # What comes next is decided after this block's forward (`end_forward`).
+            self._hold_index, self._held_slot = None, slot
+        else:
+            self._prefetch(self._next(index), slot=1 - slot)
         return slot
 
     def _add_timing(self, kind: str, start: Any, end: Any) -> None:
@@ -569,12 +583,17 @@ class DLOHandle:
 
     def _make_pre_hook(self, index: int) -> Any:
         def pre_hook(module: nn.Module, args: Any) -> None:
+            if index in self._passed:
+                return  # no rank runs it this forward: its caller does not compute it either
             self._bind(index, self._acquire(index))
 
         return pre_hook
 
     def _make_post_hook(self, index: int) -> Any:
         def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            if index in self._passed:
+                self._passed.discard(index)
+                return
             assert self._bound is not None and self._bound[0] == index
             slot = self._bound[1]
             self._unbind(self._layouts[index])
@@ -595,6 +614,51 @@ class DLOHandle:
         for lay in self._streamed:
             slot = self._acquire(lay.index)
             self._release(lay.index, slot)
+
+    def hold_after(self, index: int | None) -> None:
+        """Start a forward whose rest the group decides after block ``index``: acquiring that
+        block starts no prefetch (of a block the group may not run), until `end_forward`. A
+        resident ``index`` holds nothing: the prefetch in flight then is the first streamed
+        block, which the next forward needs whatever the decision. Every rank of the group calls
+        it before the same forwards. None: forwards run whole again (what a forward that raised
+        part-way left held or passed over is forgotten)."""
+        self._passed.clear()
+        self._hold_index = index if index is not None and index >= self._num_resident else None
+        self._held_slot = None
+
+    def agree_any(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank of the weight group: one all-reduce (MAX) of one
+        int, on the transfer thread, so that it takes its place after the gathers already
+        issued, in the same order on every rank. This rank's own flag where the blocks are not
+        gathered across ranks (each rank streams and decides alone)."""
+        if not self.gathers:
+            return flag
+
+        def reduce() -> bool:
+            device = (torch.device("cpu") if str(dist.get_backend(self._group)) == "gloo"
+                      else self.platform.device)
+            with self.platform.use_stream(self._side_stream):
+                flags = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+                return bool(flags.item())
+
+        return self._executor.submit(reduce).result()
+
+    def end_forward(self, after: int, run_rest: bool) -> None:
+        """The group's decision for the forward `hold_after` started, taken after block
+        ``after``: ``run_rest``, prefetch the next block as usual; else the forward's remaining
+        streamed blocks are neither gathered nor copied (their hooks do nothing, and the block
+        modules must not compute), and the next forward's first streamed block is prefetched
+        unless it is in flight already."""
+        held = self._held_slot
+        self._hold_index = self._held_slot = None
+        if run_rest:
+            if held is not None:
+                self._prefetch(self._next(after), slot=1 - held)
+            return
+        self._passed = {lay.index for lay in self._streamed if lay.index > after}
+        if held is not None:
+            self._prefetch(self._num_resident, slot=1 - held)
 
     @property
     def num_blocks(self) -> int:
@@ -967,6 +1031,9 @@ def apply_dlo(
         raise
     if num_resident:
         log.info("DLO: %d of %d blocks resident on the device", num_resident, len(layouts))
+    if shard_count > 1 and not platform.is_accelerator and num_resident < len(stored):
+        # gloo allocates every gathered block anew: see `hostmem.map_blocks_on_their_own`.
+        hostmem.map_blocks_on_their_own(min(st.padded_bytes for st in stored[num_resident:]))
     return DLOHandle(model, layouts, modules, config=config, platform=platform, group=wgroup,
                      owns_group=owns_group, source=source, resident_bytes=resident_bytes,
                      resident_blocks=num_resident, stored=stored, weights_dtype=weights_dtype)

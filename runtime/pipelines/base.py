@@ -45,13 +45,21 @@ and Wan keep the two batch-1 forwards of the reference loops as an option (``cfg
 Which transformers a step gathers is agreed per step, not fixed: a two-expert model (Wan2.2)
 gathers only the experts some rank of the group needs at this step, so ranks on the same side
 of the boundary gather one expert's blocks, and ranks on either side gather both.
+
+A job may cache steps (``VideoRequest.step_cache``, ``runtime.step_cache``): a forward then runs
+its first block and skips the rest when that block's output has hardly changed. The same
+all-reduce tells every rank whether any job of the group caches this step; if one does, every
+forward of the step (a rank's own, an idle one, one its job does not need) ends after the first
+block with the group's decision on the rest, which is gathered only if some rank computes it.
+A step is then still ``forwards_per_step`` forwards on every rank, each of one or all blocks.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -64,6 +72,7 @@ from runtime.adapters import Adapter, use_adapters
 from runtime.dlo import DLOHandle
 from runtime.pipelines import resumable
 from runtime.platform import default_device
+from runtime.step_cache import JobCache, StepCache, job_cache
 
 
 @dataclass(kw_only=True, frozen=True, slots=True, eq=False)
@@ -115,10 +124,15 @@ class VideoRequest(RenderFields):
     # LoRA adapters, loaded (``runtime.adapters.load_adapter``), each with its weight: added to
     # this job's forwards only. Not compared: a checkpoint compares their digests instead.
     adapters: tuple[tuple[Adapter, float], ...] = field(default=(), compare=False)
+    # The first-block cache's threshold (``runtime.step_cache``); None: exact, every block of
+    # every step computed.
+    step_cache: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if self.step_cache is not None and not self.step_cache >= 0:
+            raise ValueError(f"step_cache must be a threshold >= 0 or None, got {self.step_cache}")
         if self.width <= 0 or self.height <= 0 or self.num_frames <= 0:
             raise ValueError(f"size and frames must be positive, got {self.width}x{self.height}, "
                              f"{self.num_frames} frames")
@@ -160,6 +174,10 @@ class VideoPipeline(abc.ABC):
     def __init__(self, handles: Sequence[DLOHandle | None]) -> None:
         self.handles = list(handles)
         self._step_targets: list[int | None] | None = None  # inside step(): blocks to reach
+        # Per entry of ``handles``: its transformer's first-block cache (``runtime.step_cache``);
+        # None where the pipeline offers none. A pipeline that offers them installs them.
+        self.step_caches: list[StepCache | None] = [None] * len(self.handles)
+        self._deciding = False  # inside step(): its forwards end with the group's decision
 
     @abc.abstractmethod
     def prepare(self, request: VideoRequest) -> DenoiseState: ...
@@ -227,8 +245,17 @@ class VideoPipeline(abc.ABC):
         targets = [None if h is None or not a else
                    h.num_acquired + self.forwards_per_step * h.streamed_blocks
                    for h, a in zip(self.handles, on, strict=True)]
-        self._step_targets = targets
+        job = job_cache_of(state)
+        deciding = getattr(active, "step_cache", None)
+        if deciding is None:  # not agreed: this rank decides alone, if its blocks allow it
+            deciding = job is not None and not self.gathers_weights
+        self._begin_step(targets, deciding)
         try:
+            if job is not None and not deciding:
+                raise ValueError("a job that caches steps on ranks that gather weights needs "
+                                 "the group's agreement on each step (agree_handles)")
+            if job is not None and not any(self.step_caches):
+                raise ValueError(f"{type(self).__name__} offers no step cache")
             missing = [i for i, (need, a) in enumerate(
                 zip(self.handles_needed(state), on, strict=True)) if need and not a]
             if missing:
@@ -239,18 +266,53 @@ class VideoPipeline(abc.ABC):
         finally:
             # The gathers this job did not need (no CFG, the expert another rank needs), or that
             # a forward which raised part-way never issued: every other rank is waiting for them.
-            self._complete_handles_before(len(self.handles))
-            self._step_targets = None
-        for handle, target, start in zip(self.handles, targets, before, strict=True):
+            try:
+                self._complete_handles_before(len(self.handles))
+            finally:
+                self._end_step()
+        for i, (handle, target, start) in enumerate(zip(self.handles, targets, before,
+                                                        strict=True)):
             if handle is None:
                 continue
             if target is None and handle.num_acquired != start:
                 raise AssertionError(f"{type(self).__name__} ran a transformer that is not "
                                      "active this step")
-            if target is not None and handle.num_acquired != target:
+            cache = self.step_caches[i]
+            if deciding and cache is not None:  # forwards of one block or all of them
+                ran_over = (cache.forwards_done != self.forwards_per_step
+                            or handle.num_acquired > (target or start))
+            else:
+                ran_over = handle.num_acquired != target
+            if target is not None and ran_over:
                 raise AssertionError(f"{type(self).__name__} ran more than forwards_per_step="
                                      f"{self.forwards_per_step} forwards in one step")
         state.step_index += 1
+
+    def _begin_step(self, targets: list[int | None], deciding: bool) -> None:
+        self._step_targets = targets
+        self._deciding = deciding
+        for cache in self.step_caches:
+            if cache is not None:
+                cache.begin_step(deciding)
+
+    def _end_step(self) -> None:
+        self._step_targets = None
+        self._deciding = False
+        for cache in self.step_caches:
+            if cache is not None:
+                cache.end_step()
+
+    @contextlib.contextmanager
+    def _forward(self, index: int, state: DenoiseState, position: int = 0) -> Iterator[None]:
+        """Around one call of transformer ``index`` for ``state``'s job, the ``position``-th
+        forward of its step: its step cache's (`runtime.step_cache.StepCache.forward`), where
+        the pipeline offers one."""
+        cache = self.step_caches[index]
+        if cache is None:
+            yield
+            return
+        with cache.forward(job_cache_of(state), (index, position)):
+            yield
 
     def _complete_handles_before(self, index: int) -> None:
         """Finish this step's gathers of handles ``0 .. index-1``.
@@ -262,16 +324,32 @@ class VideoPipeline(abc.ABC):
         waiting on a gather the other will only issue later.)
         """
         assert self._step_targets is not None, "only inside step()"
-        for handle, target in zip(self.handles[:index], self._step_targets, strict=False):
-            if handle is not None and target is not None:
+        for handle, cache, target in zip(self.handles[:index], self.step_caches,
+                                         self._step_targets, strict=False):
+            if handle is None or target is None:
+                continue
+            if self._deciding and cache is not None:
+                cache.complete(self.forwards_per_step)
+            else:
                 handle.idle_until(target)
 
     def idle_step(self, active: Sequence[bool] | None = None) -> None:
-        """A step's gathers of the ``active`` transformers (None: all), computing nothing."""
-        for handle, on in zip(self.handles, self._active(active), strict=True):
-            if handle is not None and on:
+        """A step's gathers of the ``active`` transformers (None: all), computing nothing;
+        each forward's first block only, where the group agreed to skip the rest."""
+        deciding = bool(getattr(active, "step_cache", False))
+        for handle, cache, on in zip(self.handles, self.step_caches, self._active(active),
+                                     strict=True):
+            if handle is None or not on:
+                continue
+            if cache is None:
                 for _ in range(self.forwards_per_step):
                     handle.idle_forward()
+                continue
+            cache.begin_step(deciding)
+            try:
+                cache.complete(self.forwards_per_step)
+            finally:
+                cache.end_step()
 
     def generate(self, request: VideoRequest,
                  on_step: Callable[[int, int], None] | None = None) -> torch.Tensor:
@@ -289,23 +367,45 @@ class VideoPipeline(abc.ABC):
                 handle.close()
 
 
+def job_cache_of(state: DenoiseState) -> JobCache | None:
+    """The job's step cache (``runtime.step_cache``), made at its first step from its
+    request's ``step_cache``; None for an exact job. Not part of a checkpoint: a resumed job's
+    first forward runs every block again."""
+    if state.request.step_cache is None:
+        return None
+    if "step_cache" not in state.extra:
+        state.extra["step_cache"] = job_cache(state.request.step_cache)
+    return state.extra["step_cache"]
+
+
+class Agreed(list[bool]):
+    """`agree_handles`' answer: per streamed transformer, whether the group runs it this step;
+    and ``step_cache``, whether some rank's job caches steps this step."""
+
+    step_cache: bool = False
+
+
 def agree_handles(pipe: VideoPipeline, state: DenoiseState | None,
-                  group: Any = None) -> list[bool]:
+                  group: Any = None) -> Agreed:
     """The transformers the group runs this step: the union over its ranks of
-    ``pipe.handles_needed`` (a rank without a job, or whose job is done, needs none).
+    ``pipe.handles_needed`` (a rank without a job, or whose job is done, needs none); and
+    whether any rank's job caches steps (then every forward of the step decides on its rest).
 
     Every rank of ``group`` calls it before every step, in step: it all-reduces (MAX) one small
     int tensor. ``group``: None is the default process group when torch.distributed is
     initialised, else this rank alone (its own needs)."""
-    needs = ([False] * len(pipe.handles) if state is None or state.done
-             else [bool(n) for n in pipe.handles_needed(state)])
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return needs
-    if dist.get_world_size(group) == 1:
-        return needs
-    # gloo reduces host tensors; the accelerator backends reduce device ones.
-    device = (torch.device("cpu") if str(dist.get_backend(group)) == "gloo"
-              else getattr(pipe, "device", None) or default_device())
-    flags = torch.tensor([int(n) for n in needs], dtype=torch.int32, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return [bool(v) for v in flags.tolist()]
+    live = state is not None and not state.done
+    needs = ([bool(n) for n in pipe.handles_needed(state)] if live and state is not None
+             else [False] * len(pipe.handles))
+    needs.append(live and state is not None and job_cache_of(state) is not None)
+    if (group is not None or (dist.is_available() and dist.is_initialized())) and \
+            dist.get_world_size(group) > 1:
+        # gloo reduces host tensors; the accelerator backends reduce device ones.
+        device = (torch.device("cpu") if str(dist.get_backend(group)) == "gloo"
+                  else getattr(pipe, "device", None) or default_device())
+        flags = torch.tensor([int(n) for n in needs], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        needs = [bool(v) for v in flags.tolist()]
+    agreed = Agreed(needs[:-1])
+    agreed.step_cache = needs[-1]
+    return agreed

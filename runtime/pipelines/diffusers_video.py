@@ -47,6 +47,7 @@ from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
 from runtime.pipelines.wan_sequence import enable_sequence_parallel
 from runtime.platform import default_device, get_platform
 from runtime.sequence import SequenceParallel
+from runtime.step_cache import StepCache
 from runtime.tiling import map_tiles, plan_tiles
 
 TRANSFORMER_NAMES = ("transformer", "transformer_2")
@@ -141,6 +142,7 @@ class DiffusersVideoPipeline(VideoPipeline):
                                      device_budget_bytes=budget, weights_dtype=weights_dtype))
             if sequence is not None:
                 cls.enable_sequence_parallel(model, sequence)
+                model._kiln_sequence_parallel = True  # no step cache (runtime.step_cache)
             transformers[tname] = model
         if not transformers:
             raise ValueError(f"{model_dir}: no transformer directory")
@@ -317,6 +319,10 @@ class WanVideoPipeline(DiffusersVideoPipeline):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.forwards_per_step = 1 if self.cfg_batch else 2
+        self.step_caches = [
+            None if getattr(model, "_kiln_sequence_parallel", False)
+            else StepCache(model.blocks, handle)
+            for model, handle in zip(self.transformers, self.handles, strict=True)]
 
     @torch.no_grad()
     def prepare(self, request: VideoRequest) -> DenoiseState:
@@ -446,19 +452,24 @@ class WanVideoPipeline(DiffusersVideoPipeline):
         if batched:
             # [cond, uncond] on the batch axis (both padded to max_sequence_length): each block
             # computes both branches while it is in its slot.
-            noise, noise_uncond = model(
-                hidden_states=torch.cat([model_input, model_input]), timestep=timestep,
-                encoder_hidden_states=torch.cat([x["cond"], x["uncond"]]),
-                encoder_hidden_states_image=None if image is None else torch.cat([image, image]),
-                return_dict=False)[0].chunk(2)
+            with self._forward(expert, state):
+                noise, noise_uncond = model(
+                    hidden_states=torch.cat([model_input, model_input]), timestep=timestep,
+                    encoder_hidden_states=torch.cat([x["cond"], x["uncond"]]),
+                    encoder_hidden_states_image=(None if image is None
+                                                 else torch.cat([image, image])),
+                    return_dict=False)[0].chunk(2)
         else:
-            noise = model(hidden_states=model_input, timestep=timestep,
-                          encoder_hidden_states=x["cond"], encoder_hidden_states_image=image,
-                          return_dict=False)[0]
+            with self._forward(expert, state, 0):
+                noise = model(hidden_states=model_input, timestep=timestep,
+                              encoder_hidden_states=x["cond"], encoder_hidden_states_image=image,
+                              return_dict=False)[0]
             if x["uncond"] is not None:
-                noise_uncond = model(hidden_states=model_input, timestep=timestep,
-                                     encoder_hidden_states=x["uncond"],
-                                     encoder_hidden_states_image=image, return_dict=False)[0]
+                with self._forward(expert, state, 1):
+                    noise_uncond = model(hidden_states=model_input, timestep=timestep,
+                                         encoder_hidden_states=x["uncond"],
+                                         encoder_hidden_states_image=image,
+                                         return_dict=False)[0]
         if noise_uncond is not None:
             noise = noise_uncond + state.request.guidance_scale * (noise - noise_uncond)
         state.latents = scheduler.step(noise, t, latents, return_dict=False)[0]
