@@ -89,7 +89,7 @@ class Family:
 # kiln-tiny (``runtime.models.tiny.TinyConfig``): spatial_compression 8 times patch_size 2, and
 # temporal_compression 4. Its defaults are what it was trained on (scripts/train_tiny.py) and
 # what `kiln render` uses. It takes a first frame (``--image``) and continues it the way the
-# prompt says, or renders from text alone.
+# prompt says, restyles a clip (``--video``, video-to-video), or renders from text alone.
 TINY = Family(
     name=TINY_MODEL, pipeline="TinyPipeline",
     defaults=RequestDefaults(width=64, height=64, num_frames=9, fps=8, num_inference_steps=4,
@@ -101,7 +101,7 @@ TINY = Family(
     max_tokens=16_384,
     previews=True,
     sequence_parallel=True,
-    inputs=frozenset({"image"}),
+    inputs=frozenset({"image", "video"}),
 )
 # Wan2.1 and Wan2.2 T2V: ``WanPipeline.__call__``'s defaults (832x480, 81 frames, 50 steps,
 # guidance 5) at the 16 fps of its examples; ``check_inputs`` wants sizes divisible by 16;

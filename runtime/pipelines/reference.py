@@ -38,8 +38,9 @@ def _pil(pixels: torch.Tensor | None) -> PIL.Image.Image | None:
 def run_reference(pipe: Any, family: str, request: VideoRequest) -> np.ndarray:
     """``request`` through diffusers' pipeline of ``family`` (a `common.families` name): float
     frames [N, H, W, 3] in [0, 1]. Its conditioning goes in as the PIL images diffusers'
-    examples pass, at the request's size; a Wan clip goes through ``WanVideoToVideoPipeline``
-    around ``pipe``'s components, as its docs load it from a text-to-video directory."""
+    examples pass, at the request's size (Cosmos3: ``image`` or ``video``); a Wan clip goes
+    through ``WanVideoToVideoPipeline`` around ``pipe``'s components, as its docs load it from
+    a text-to-video directory."""
     generator = torch.Generator().manual_seed(request.seed)
     size = {"height": request.height, "width": request.width, "num_frames": request.num_frames,
             "num_inference_steps": request.num_inference_steps}
@@ -48,11 +49,14 @@ def run_reference(pipe: Any, family: str, request: VideoRequest) -> np.ndarray:
                     **size).get("videos")[0]
     guidance = {"negative_prompt": request.negative_prompt,
                 "guidance_scale": request.guidance_scale}
-    if family == COSMOS3.name:
-        return pipe(prompt=request.prompt, fps=float(request.fps), generator=generator,
-                    output_type="np", **guidance, **size).video
     c = request.conditioning
     inputs: dict[str, Any] = {}
+    if family == COSMOS3.name:  # a first frame, or a clip whose first frames it keeps
+        if c is not None:
+            inputs = {"image": _pil(c.image),
+                      "video": None if c.video is None else [_pil(f) for f in c.video]}
+        return pipe(prompt=request.prompt, fps=float(request.fps), generator=generator,
+                    output_type="np", **guidance, **inputs, **size).video
     if family == WAN_I2V.name and c is not None:
         inputs = {"image": _pil(c.image), "last_image": _pil(c.last_image)}
     elif c is not None and c.video is not None:
