@@ -160,7 +160,8 @@ COGVIDEOX = Family(
 # ``tokenize_prompt`` wraps it in a chat template with a system prompt, a duration and a
 # resolution sentence, and two special tokens follow: 53 rows at the defaults for an empty
 # prompt by the test checkpoints' word-level tokenizer, which keeps no newline or space; about
-# 60 with a Qwen BPE's.
+# 60 with a Qwen BPE's. It also renders from a first frame, or continues a clip's first 5 frames
+# (its first two latent frames), as ``Cosmos3OmniPipeline`` does given ``image`` or ``video``.
 COSMOS3 = Family(
     name="cosmos3", diffusers_classes=("Cosmos3OmniPipeline",), pipeline="Cosmos3VideoPipeline",
     defaults=RequestDefaults(width=1280, height=720, num_frames=189, fps=24,
@@ -169,6 +170,7 @@ COSMOS3 = Family(
     vae_scale_factor_spatial=16, vae_scale_factor_temporal=4,
     prompt_rows=60 + PROMPT_TOKENS,
     max_tokens=44_320,  # its default: 48 latent frames x 23 x 40 patches, and a prompt's 160
+    inputs=frozenset({"image", "video"}),
 )
 # MiniMax-H3: its modular pipeline's defaults (the 16:9 canvas of 1344x768, 124 frames: 5 s at
 # its fixed 24 fps; 50 steps, which run 49 forwards); guidance-distilled, so it takes no guidance

@@ -78,14 +78,16 @@ def test_render_refuses_a_size_the_model_cannot_render(tmp_path):
     assert not (tmp_path / "a.mp4").exists()
 
 
-def test_render_refuses_an_input_the_model_does_not_take(tmp_path):
-    clip = tmp_path / "start.mp4"  # kiln-tiny takes a first frame (--image), not a video
-    clip.write_bytes(b"not read: refused before anything loads")
+def test_render_refuses_a_bad_input_file_before_loading(tmp_path):
+    clip = tmp_path / "start.mp4"  # checked as an upload is: the bytes are no video
+    clip.write_bytes(b"no video in here")
     result = CliRunner().invoke(app, [*ARGS[:5], "--video", str(clip), "--out",
                                       str(tmp_path / "a.mp4")])
     assert result.exit_code == 2
-    assert "kiln-tiny cannot take a video input" in result.output
-    assert "loading" not in result.output
+    assert "start.mp4" in result.output and "loading" not in result.output
+    both = CliRunner().invoke(app, [*ARGS[:5], "--video", str(clip), "--image", str(clip),
+                                    "--out", str(tmp_path / "a.mp4")])
+    assert both.exit_code == 2 and "not both" in both.output
 
 
 def test_render_starts_kiln_tiny_from_an_image_where_the_image_has_its_shape(tmp_path):

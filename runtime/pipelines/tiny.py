@@ -14,6 +14,12 @@ encoded once in `prepare` by the model's fixed encoder and given to every forwar
 transformer's condition (``runtime.models.tiny.first_frame_condition``), to both halves of the
 guidance pair, as Wan's image-to-video pipeline does: guidance then pushes towards the prompt,
 not away from the image. Without it the render is text to video, exactly as before.
+
+A request's ``conditioning.video`` (uint8 [N, H, W, 3] at the request's frames and size) makes it
+video-to-video, SDEdit's way, as diffusers' video-to-video pipelines do: the clip is encoded by
+the same fixed encoder, noised to the level where the last ``strength`` of the schedule begins
+(`video_start`; 0.8 by default), and only those steps run. The model was never trained for it;
+it works because the clip's latents are what it denoises towards anyway.
 """
 
 from __future__ import annotations
@@ -25,12 +31,36 @@ import torch
 from common.families import TINY
 from runtime.budget import AUTO, DeviceBudget, activation_bytes, resolve_budget
 from runtime.dlo import DLOHandle, apply_dlo
-from runtime.models.tiny import KilnTiny, TinyConfig, build_tiny, first_frame_condition
+from runtime.models.tiny import (
+    KilnTiny,
+    TinyConfig,
+    build_tiny,
+    encode_video,
+    first_frame_condition,
+)
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
 from runtime.platform import default_device, get_platform
 from runtime.sequence import SequenceParallel
-from runtime.step_cache import StepCache
 from runtime.tiling import map_tiles, plan_tiles
+
+
+#: Video-to-video's strength when a request gives none: diffusers' video-to-video default.
+DEFAULT_STRENGTH = 0.8
+
+
+def _strength(request: VideoRequest) -> float:
+    c = request.conditioning
+    return DEFAULT_STRENGTH if c is None or c.strength is None else c.strength
+
+
+def video_start(num_inference_steps: int, strength: float) -> int:
+    """The step video-to-video starts at: the last ``strength`` of the schedule is run, by the
+    rule of diffusers' video-to-video pipelines (``get_timesteps``); at least one step."""
+    run = min(int(num_inference_steps * strength), num_inference_steps)
+    if run < 1:
+        raise ValueError(f"strength {strength} runs no step of {num_inference_steps}; give at "
+                         f"least {1 / num_inference_steps:.3g}")
+    return num_inference_steps - run
 
 
 def flow_sigmas(num_inference_steps: int, shift: float) -> torch.Tensor:
@@ -52,8 +82,6 @@ class TinyPipeline(VideoPipeline):
         self.forwards_per_step = 1 if cfg_batch else 2
         self.model = model
         self.cfg: TinyConfig = model.cfg
-        if model.transformer.sequence_parallel is None:  # see runtime.step_cache
-            self.step_caches = [StepCache(model.transformer.blocks, handle)]
         self.flow_shift = flow_shift
         self.device = torch.device(device)
         # What the decode tile plan used last (read by tests and the tiling benchmark).
@@ -103,23 +131,41 @@ class TinyPipeline(VideoPipeline):
                  request.width // cfg.spatial_compression)
         # Noise from a CPU generator, so the same seed gives the same video on every device.
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(request.seed))
+        sigmas = flow_sigmas(request.num_inference_steps, self.flow_shift)
+        latents = noise.to(self.device)
+        clip = self._clip_latents(request)
+        if clip is not None:  # video-to-video: start part-way, from the clip's noised latents
+            sigmas = sigmas[video_start(request.num_inference_steps, _strength(request)):]
+            latents = (1 - sigmas[0]) * clip + sigmas[0] * latents
         return DenoiseState(
             request=request,
-            latents=noise.to(self.device),
-            num_inference_steps=request.num_inference_steps,
+            latents=latents,
+            num_inference_steps=len(sigmas) - 1,
             extra={"text": text, "cond": text[:1], "uncond": text[1:],
-                   "image": self._first_frame(request),
-                   "sigmas": flow_sigmas(request.num_inference_steps, self.flow_shift)},
+                   "image": self._first_frame(request), "sigmas": sigmas},
         )
+
+    def _clip_latents(self, request: VideoRequest) -> torch.Tensor | None:
+        """The latents of the request's clip (``conditioning.video``), None without one."""
+        c = request.conditioning
+        if c is None or c.video is None:
+            return None
+        if c.image is not None or c.last_image is not None:
+            raise ValueError("kiln-tiny starts from a first frame or from a video, not both")
+        want = (request.num_frames, request.height, request.width, 3)
+        if tuple(c.video.shape) != want:
+            raise ValueError(f"the video must be {want} (the request's frames and size), got "
+                             f"{tuple(c.video.shape)}")
+        video = c.video.to(self.device, torch.float32).div(127.5).sub(1)  # the decoder's range
+        return encode_video(self.cfg, video[None])
 
     def _first_frame(self, request: VideoRequest) -> torch.Tensor | None:
         """The transformer's condition for the request's first frame, None without one."""
         c = request.conditioning
         if c is None:
             return None
-        if c.last_image is not None or c.video is not None:
-            raise ValueError("kiln-tiny takes a first frame (image) only, not a last frame "
-                             "or a video")
+        if c.last_image is not None:
+            raise ValueError("kiln-tiny takes a first frame, not a last frame")
         if c.image is None:
             return None
         if tuple(c.image.shape) != (request.height, request.width, 3):
@@ -138,17 +184,14 @@ class TinyPipeline(VideoPipeline):
         image = state.extra["image"]  # both halves of the pair see the first frame
         if g > 1.0 and self.cfg_batch:
             # [cond, uncond] on the batch axis: each block computes both while it is in its slot.
-            with self._forward(0, state):
-                velocity, uncond = self.model.transformer(
-                    torch.cat([x, x]), t.expand(2), state.extra["text"],
-                    None if image is None else torch.cat([image, image])).chunk(2)
+            velocity, uncond = self.model.transformer(
+                torch.cat([x, x]), t.expand(2), state.extra["text"],
+                None if image is None else torch.cat([image, image])).chunk(2)
             velocity = uncond + g * (velocity - uncond)
         else:
-            with self._forward(0, state, 0):
-                velocity = self.model.transformer(x, t, state.extra["cond"], image)
+            velocity = self.model.transformer(x, t, state.extra["cond"], image)
             if g > 1.0:
-                with self._forward(0, state, 1):
-                    uncond = self.model.transformer(x, t, state.extra["uncond"], image)
+                uncond = self.model.transformer(x, t, state.extra["uncond"], image)
                 velocity = uncond + g * (velocity - uncond)
         state.latents = x + (sigma_next - sigma) * velocity
         state.extra["velocity"] = velocity  # the preview's estimate of the clean video

@@ -194,14 +194,15 @@ def test_video_input_reference_is_checked_then_refused_by_a_model_without_inputs
     bobs = upload(api, "bob", "b.png", png()).json()["id"]
     before = rows(api), stored(api)
     cases = [
-        # A good file reaches the model's answer: it takes an image, not a video.
-        ({"files": {"input_reference": ("start.mp4", video(), "video/mp4")}}, 400,
-         "input_reference: model 'kiln-tiny' cannot take a video input; no model of this "
-         "deployment takes one"),
-        ({"data": {"input_reference[file_id]": mine}}, 400,
-         "input_reference: model 'kiln-tiny' cannot take a video input"),
-        ({"json": {"prompt": "p", "input_reference": {"file_id": mine}}}, 400,
-         "input_reference: model 'kiln-tiny' cannot take a video input"),
+        # A good file reaches the model's answer: kiln-big takes no input; kiln-tiny does.
+        ({"files": {"input_reference": ("start.mp4", video(), "video/mp4")},
+          "data": {"model": "kiln-big"}}, 400,
+         "input_reference: model 'kiln-big' cannot take a video input; models that take one: "
+         "kiln-tiny"),
+        ({"data": {"input_reference[file_id]": mine, "model": "kiln-big"}}, 400,
+         "input_reference: model 'kiln-big' cannot take a video input"),
+        ({"json": {"prompt": "p", "model": "kiln-big", "input_reference": {"file_id": mine}}},
+         400, "input_reference: model 'kiln-big' cannot take a video input"),
         # A bad one gets its own refusal first.
         ({"files": {"input_reference": ("big.png", png_declaring(30_000, 30_000))}}, 422,
          "input_reference: the image declares more than"),
@@ -231,10 +232,13 @@ def test_video_input_reference_is_checked_then_refused_by_a_model_without_inputs
     # Without a reference the route is as it was.
     r = api.client.post("/v1/videos", headers=api.auth("alice"), data={"prompt": "p"})
     assert r.status_code == 200 and rows(api)[1] == 1
-    # An image is what kiln-tiny takes: its first frame.
+    # kiln-tiny takes an image (its first frame) and a clip (video-to-video).
     r = api.client.post("/v1/videos", headers=api.auth("alice"), data={"prompt": "p"},
                         files={"input_reference": ("start.png", png(), "image/png")})
     assert r.status_code == 200 and rows(api) == (before[0][0] + 1, 2), r.text
+    r = api.client.post("/v1/videos", headers=api.auth("alice"),
+                        data={"prompt": "p", "input_reference[file_id]": mine})
+    assert r.status_code == 200 and rows(api) == (before[0][0] + 1, 3), r.text
 
 
 def test_json_bodies_of_videos_keep_the_json_limit(files_api) -> None:  # noqa: ANN001
@@ -246,7 +250,7 @@ def test_json_bodies_of_videos_keep_the_json_limit(files_api) -> None:  # noqa: 
 
 def test_the_openai_sdk_uploads_and_references_files(files_api, tmp_path: Path) -> None:  # noqa: ANN001
     api = files_api
-    start = tmp_path / "start.mp4"  # kiln-tiny takes an image, not a video
+    start = tmp_path / "start.mp4"
     start.write_bytes(video())
     with Server(api.app, lifespan="off", ws="none", http="h11") as url:
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=api.keys["alice"], max_retries=0,
@@ -262,7 +266,7 @@ def test_the_openai_sdk_uploads_and_references_files(files_api, tmp_path: Path) 
         for given in ({"input_reference": start.read_bytes()},
                       {"extra_body": {"input_reference": {"file_id": uploaded.id}}}):
             with pytest.raises(openai.BadRequestError) as refused:
-                sdk.videos.create(prompt="p", **given)  # type: ignore[arg-type]
+                sdk.videos.create(prompt="p", model="kiln-big", **given)  # type: ignore[arg-type]
             assert refused.value.param == "input_reference"
             assert "cannot take a video input" in refused.value.message
         with pytest.raises(openai.UnprocessableEntityError, match="does not decode"):

@@ -5,13 +5,17 @@ leaves no row, no stored file and no Redis key."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import make_settings
+from fastapi.testclient import TestClient
 from media_files import png, video
 from sqlalchemy import func, select
 
+from api.app import create_app
 from storage.tables import InputFile, Job
 
 
@@ -40,7 +44,19 @@ def _post(api, path: str, who: str = "alice", **kwargs: Any):  # noqa: ANN001, A
     return api.client.post(path, headers=api.auth(who), **kwargs)
 
 
-def test_remix_and_edit_without_a_model_that_takes_a_video_are_openai_400s(api) -> None:  # noqa: ANN001
+@pytest.fixture
+def big_only(api, tmp_path: Path) -> Iterator[Any]:  # noqa: ANN001
+    """The `api` fixture's app serving kiln-big alone: a model that takes no input."""
+    api.settings = make_settings(api.db.url, api.settings.redis_prefix, tmp_path,
+                                 models=["kiln-big"])
+    api.app = create_app(api.settings, engine=api.db.engine, redis=api.redis, store=api.store)
+    with TestClient(api.app, raise_server_exceptions=True) as client:
+        api.client = client
+        yield api
+
+
+def test_remix_edit_and_extend_without_a_model_that_can_are_openai_400s(big_only) -> None:  # noqa: ANN001
+    api = big_only
     source = _completed(api)
     before = _rows(api), _stored(api)
     r = _post(api, f"/v1/videos/{source}/remix", json={"prompt": "a blue square"})
@@ -54,7 +70,42 @@ def test_remix_and_edit_without_a_model_that_takes_a_video_are_openai_400s(api) 
     r = _post(api, "/v1/videos/edits", data={"prompt": "in blue"},
               files={"video": ("clip.mp4", video(), "video/mp4")})
     assert r.status_code == 400 and "can edit a video" in r.json()["detail"], r.text
+    r = _post(api, "/v1/videos/extensions", data={"prompt": "on", "seconds": "1",
+                                                  "video[id]": source})
+    assert r.status_code == 400 and "can extend a video" in r.json()["detail"], r.text
     assert (_rows(api), _stored(api)) == before
+
+
+def test_a_remix_is_video_to_video_from_a_copy_of_the_source_at_its_size(api) -> None:  # noqa: ANN001
+    source = _completed(api)
+    r = _post(api, f"/v1/videos/{source}/remix", json={"prompt": "a blue square"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["remixed_from_video_id"] == source and body["size"] == "64x64"
+    with api.session() as s:
+        job, src = s.get(Job, body["id"]), s.get(Job, source)
+        copy = s.get(InputFile, job.input_file_id)
+        assert (job.model, job.num_frames, job.seed, job.source_job_id, job.input_role) == (
+            src.model, src.num_frames, src.seed, source, None)
+        assert copy.kind == "video" and copy.storage_key != src.output_video_key
+    # The copy is the caller's own: deleting the source leaves it.
+    assert api.client.delete(f"/v1/videos/{source}", headers=api.auth("alice")).status_code \
+        == 200
+    assert (Path(api.store.root) / copy.storage_key).is_file()
+
+
+def test_an_edit_of_an_upload_and_an_extension_of_a_video(api) -> None:  # noqa: ANN001
+    r = _post(api, "/v1/videos/edits", data={"prompt": "in blue"},
+              files={"video": ("clip.mp4", video(frames=5, size=64), "video/mp4")})
+    assert r.status_code == 200 and r.json()["remixed_from_video_id"] is None, r.text
+    source = _completed(api)
+    r = _post(api, "/v1/videos/extensions", data={"prompt": "on", "seconds": "2",
+                                                  "video[id]": source})
+    assert r.status_code == 200, r.text
+    with api.session() as s:
+        job = s.get(Job, r.json()["id"])
+        # kiln-tiny at 8 fps: 1 + 2 x 8 new frames, rendered from the source's last frame.
+        assert (job.input_role, job.num_frames, job.source_job_id) == ("extend", 17, source)
 
 
 @pytest.mark.parametrize("path,fields,status,reason", [

@@ -119,7 +119,7 @@ def test_the_prompts_are_the_trained_form_and_the_frames_are_the_cases():
 
 
 def test_tiny_declares_the_image_input_and_still_renders_from_text_alone():
-    assert TINY.inputs == frozenset({"image"}) and not TINY.needs_input
+    assert TINY.inputs == frozenset({"image", "video"}) and not TINY.needs_input
 
 
 def test_a_checkpoint_without_the_condition_weights_loads_them_as_zero_the_text_only_model():
@@ -184,7 +184,8 @@ def test_a_first_frame_job_resumed_from_its_checkpoint_renders_the_same_frames(p
 def test_inputs_kiln_tiny_does_not_take_are_refused(pipe, bad):
     image = torch.zeros(64, 64, 3, dtype=torch.uint8)
     conditioning = {"last_image": Conditioning(image=image, last_image=image),
-                    "video": Conditioning(video=image[None].expand(9, -1, -1, -1)),
+                    "video": Conditioning(image=image,
+                                          video=image[None].expand(9, -1, -1, -1)),
                     "size": Conditioning(image=image[:32])}[bad]
     with pytest.raises(ValueError, match="first frame"):
         pipe.prepare(VideoRequest(prompt="a red circle", conditioning=conditioning))
