@@ -41,6 +41,7 @@ from runtime.models.tiny import (
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest
 from runtime.platform import default_device, get_platform
 from runtime.sequence import SequenceParallel
+from runtime.step_cache import StepCache
 from runtime.tiling import map_tiles, plan_tiles
 
 
@@ -82,6 +83,8 @@ class TinyPipeline(VideoPipeline):
         self.forwards_per_step = 1 if cfg_batch else 2
         self.model = model
         self.cfg: TinyConfig = model.cfg
+        if model.transformer.sequence_parallel is None:  # see runtime.step_cache
+            self.step_caches = [StepCache(model.transformer.blocks, handle)]
         self.flow_shift = flow_shift
         self.device = torch.device(device)
         # What the decode tile plan used last (read by tests and the tiling benchmark).
@@ -184,14 +187,17 @@ class TinyPipeline(VideoPipeline):
         image = state.extra["image"]  # both halves of the pair see the first frame
         if g > 1.0 and self.cfg_batch:
             # [cond, uncond] on the batch axis: each block computes both while it is in its slot.
-            velocity, uncond = self.model.transformer(
-                torch.cat([x, x]), t.expand(2), state.extra["text"],
-                None if image is None else torch.cat([image, image])).chunk(2)
+            with self._forward(0, state):
+                velocity, uncond = self.model.transformer(
+                    torch.cat([x, x]), t.expand(2), state.extra["text"],
+                    None if image is None else torch.cat([image, image])).chunk(2)
             velocity = uncond + g * (velocity - uncond)
         else:
-            velocity = self.model.transformer(x, t, state.extra["cond"], image)
+            with self._forward(0, state, 0):
+                velocity = self.model.transformer(x, t, state.extra["cond"], image)
             if g > 1.0:
-                uncond = self.model.transformer(x, t, state.extra["uncond"], image)
+                with self._forward(0, state, 1):
+                    uncond = self.model.transformer(x, t, state.extra["uncond"], image)
                 velocity = uncond + g * (velocity - uncond)
         state.latents = x + (sigma_next - sigma) * velocity
         state.extra["velocity"] = velocity  # the preview's estimate of the clean video
