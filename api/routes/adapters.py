@@ -106,7 +106,10 @@ async def register_adapter(request: Request, user: CurrentUser, session: Session
         if shared == "true" and not user.is_admin:
             raise HTTPException(status.HTTP_403_FORBIDDEN,
                                 "shared: only admins register shared adapters")
-        size = upload.size if upload.size is not None else len(upload.file.read())
+        size = upload.size
+        if size is None:  # counted by seeking, not by reading the file into memory
+            size = upload.file.seek(0, 2)
+            upload.file.seek(0)
         if size > settings.max_upload_bytes:
             raise Refusal(status.HTTP_413_CONTENT_TOO_LARGE,
                           f"file: the file is {size:,} bytes; at most "
