@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from conftest import make_settings
+from fastapi.testclient import TestClient
 from safetensors.torch import save
+
+from api.app import create_app
 
 TINY_DIM = 128  # kiln-tiny's width (TinyConfig.dim)
 
@@ -171,3 +175,16 @@ def test_the_job_page_names_its_adapters_with_their_scales(api) -> None:  # noqa
     assert "squares × 0.8" in shown
     assert f'<span class="mono">{gone["id"]}</span> <span class="dim">(deleted)</span> × 1.0' \
         in shown
+
+
+def test_a_file_over_max_upload_bytes_is_a_413_and_keeps_nothing(api, tmp_path: Path) -> None:  # noqa: ANN001
+    settings = make_settings(api.db.url, api.settings.redis_prefix, tmp_path,
+                             max_upload_bytes=len(GOOD) - 1)
+    app = create_app(settings, engine=api.db.engine, redis=api.redis, store=api.store)
+    before = api.snapshot()
+    with TestClient(app) as client:
+        r = client.post("/v1/adapters", headers=api.auth("alice"), data={"name": "big"},
+                        files={"file": ("a.safetensors", io.BytesIO(GOOD),
+                                        "application/octet-stream")})
+    assert r.status_code == 413, r.text
+    assert api.snapshot() == before and stored(api) == []
