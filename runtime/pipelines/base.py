@@ -178,6 +178,9 @@ class VideoPipeline(abc.ABC):
         # None where the pipeline offers none. A pipeline that offers them installs them.
         self.step_caches: list[StepCache | None] = [None] * len(self.handles)
         self._deciding = False  # inside step(): its forwards end with the group's decision
+        # What this rank's last step (or idle step) did: the blocks it gathered across ranks
+        # and, where the pipeline has step caches, the blocks it computed.
+        self.last_step_figures: dict[str, int] = {}
 
     @abc.abstractmethod
     def prepare(self, request: VideoRequest) -> DenoiseState: ...
@@ -250,6 +253,7 @@ class VideoPipeline(abc.ABC):
         if deciding is None:  # not agreed: this rank decides alone, if its blocks allow it
             deciding = job is not None and not self.gathers_weights
         self._begin_step(targets, deciding)
+        counts = self._counts()
         try:
             if job is not None and not deciding:
                 raise ValueError("a job that caches steps on ranks that gather weights needs "
@@ -270,6 +274,7 @@ class VideoPipeline(abc.ABC):
                 self._complete_handles_before(len(self.handles))
             finally:
                 self._end_step()
+                self._count_step(counts)
         for i, (handle, target, start) in enumerate(zip(self.handles, targets, before,
                                                         strict=True)):
             if handle is None:
@@ -287,6 +292,17 @@ class VideoPipeline(abc.ABC):
                 raise AssertionError(f"{type(self).__name__} ran more than forwards_per_step="
                                      f"{self.forwards_per_step} forwards in one step")
         state.step_index += 1
+
+    def _counts(self) -> dict[str, int]:
+        counts = {"gathers": sum(h.num_acquired for h in self.handles
+                                 if h is not None and h.gathers)}
+        if any(self.step_caches):
+            counts["blocks_computed"] = sum(c.num_blocks_computed for c in self.step_caches
+                                            if c is not None)
+        return counts
+
+    def _count_step(self, before: dict[str, int]) -> None:
+        self.last_step_figures = {k: v - before[k] for k, v in self._counts().items()}
 
     def _begin_step(self, targets: list[int | None], deciding: bool) -> None:
         self._step_targets = targets
@@ -337,6 +353,7 @@ class VideoPipeline(abc.ABC):
         """A step's gathers of the ``active`` transformers (None: all), computing nothing;
         each forward's first block only, where the group agreed to skip the rest."""
         deciding = bool(getattr(active, "step_cache", False))
+        counts = self._counts()
         for handle, cache, on in zip(self.handles, self.step_caches, self._active(active),
                                      strict=True):
             if handle is None or not on:
@@ -350,6 +367,7 @@ class VideoPipeline(abc.ABC):
                 cache.complete(self.forwards_per_step)
             finally:
                 cache.end_step()
+        self._count_step(counts)
 
     def generate(self, request: VideoRequest,
                  on_step: Callable[[int, int], None] | None = None) -> torch.Tensor:

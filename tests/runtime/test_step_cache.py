@@ -26,6 +26,7 @@ from runtime.pipelines.registry import load_diffusers
 from runtime.pipelines.tiny import TinyPipeline
 from runtime.render import run_lockstep, step_lockstep
 from runtime.resume import request_digest
+from runtime.step_cache import tier_threshold
 
 WAN = SyntheticSpec(family="wan")
 WAN_REQUEST = VideoRequest(prompt="a red circle moving left", negative_prompt="blurry",
@@ -73,7 +74,8 @@ def _record(pipe: VideoPipeline) -> list[dict[str, int]]:
             fn(*args)
             cache = None if state is None else state.extra.get("step_cache")
             steps.append({"gathered": handle.num_acquired - acquired,
-                          "skipped": (cache.num_forwards_skipped if cache else 0) - skipped})
+                          "skipped": (cache.num_forwards_skipped if cache else 0) - skipped,
+                          **{f"reported_{k}": v for k, v in pipe.last_step_figures.items()}})
         return call
 
     pipe.step = recorded(pipe.step)  # type: ignore[method-assign]
@@ -171,6 +173,11 @@ def test_kiln_tiny_at_dp2_skips_the_gathers_of_forwards_both_ranks_skip():
     for a, b in steps:
         expected = 1 if a["skipped"] and b["skipped"] else num_blocks
         assert a["gathered"] == b["gathered"] == expected
+        # What the pipeline reports of the step (the rank's status figures): the same gathers,
+        # and the first block only where its own job skipped.
+        for rank in (a, b):
+            assert rank["reported_gathers"] == expected
+            assert rank["reported_blocks_computed"] == (1 if rank["skipped"] else num_blocks)
     both = sum(1 for a, b in steps if a["skipped"] and b["skipped"])
     assert both >= 3
     # The engine's own count of gathers issued falls by as much: 3 fewer per step both skip (to
@@ -193,6 +200,7 @@ def test_an_exact_job_is_the_render_without_the_cache_and_agrees_nothing():
             before = handle.num_acquired
             pipe.step(state, agree_handles(pipe, state))
             assert handle.num_acquired - before == handle.streamed_blocks
+            assert pipe.last_step_figures == {"gathers": 0, "blocks_computed": 4}  # one rank
         assert calls == [] and "step_cache" not in state.extra
         assert torch.equal(pipe.decode(state), cached_pipeline)
         # The blocks' own forwards, with the cache's wrappers taken off.
@@ -227,3 +235,38 @@ def test_an_exact_request_digests_as_before_a_cached_one_apart():
     exact = dataclasses.replace(TINY_REQUESTS[0], step_cache=None)
     assert request_digest(exact) == request_digest(legacy)  # type: ignore[arg-type]
     assert request_digest(TINY_REQUESTS[0]) != request_digest(exact)
+
+
+def test_quality_tiers_map_to_thresholds_and_exact_is_the_default():
+    assert VideoRequest(prompt="a red ball").step_cache is None  # exact unless asked
+    assert tier_threshold("kiln-tiny", "exact") is None
+    assert tier_threshold("wan", "exact") is None
+    assert tier_threshold("kiln-tiny", "balanced") < tier_threshold("kiln-tiny", "fast")
+    with pytest.raises(ValueError, match="exact only"):
+        tier_threshold("wan", "fast")
+    with pytest.raises(ValueError, match="quality must be one of"):
+        tier_threshold("kiln-tiny", "draft")
+
+
+def test_kiln_tiny_fast_tier_computes_at_least_1_4x_fewer_blocks_at_30_db():
+    # Three of bench/step_cache.py's twelve prompts (all twelve: 1.86x, 33.3 dB mean).
+    pipe = TinyPipeline.load(device="cpu")
+    cache = pipe.step_caches[0]
+    try:
+        blocks, scores = {"exact": 0, "fast": 0}, []
+        for seed, prompt in enumerate(["a red ball rolling left", "a blue cat on a sofa",
+                                       "waves at dusk"]):
+            frames = {}
+            for quality in ("exact", "fast"):
+                request = VideoRequest(prompt=prompt, seed=seed, num_inference_steps=30,
+                                       step_cache=tier_threshold("kiln-tiny", quality))
+                before = cache.num_blocks_computed
+                frames[quality] = pipe.generate(request).numpy().astype(np.float64)
+                blocks[quality] += cache.num_blocks_computed - before
+            mse = float(np.mean((frames["fast"] - frames["exact"]) ** 2))
+            scores.append(10 * np.log10(1.0 / mse))
+    finally:
+        pipe.close()
+    assert blocks["exact"] == 3 * 30 * 4
+    assert blocks["exact"] / blocks["fast"] >= 1.4
+    assert np.mean(scores) >= 30
