@@ -168,6 +168,8 @@ def _conditioning(path: Path, kind: str | None, r: RenderFields, fit: str,
                   strength: float | None):  # noqa: ANN202 - a runtime Conditioning
     """The input at ``path``, checked as an upload is (`storage.media`) and fitted to the
     request's size; a bad file is refused naming the problem."""
+    # Here, not at the top: torch, the media decoders and the runtime load only for a render
+    # that starts from a file.
     import numpy as np
     import torch
 
