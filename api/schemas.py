@@ -496,6 +496,12 @@ class RankPublic(BaseModel):
                                   "the two slots the others stream through")
     model_bytes: int | None = Field(
         default=None, description="the streamed transformers' whole size, unsharded")
+    weights_dtype: str | None = Field(
+        default=None, description="what the group keeps and moves its streamed blocks in: "
+                                  "checkpoint (as the model has them), bf16 or fp8")
+    stored_block_bytes: int | None = Field(
+        default=None, description="the transformers' blocks as they are kept and moved (in "
+                                  "weights_dtype), unsharded")
     adapter_bytes: int | None = Field(
         default=None, description="LoRA adapters loaded on the rank (their factors and device "
                                   "copies)")

@@ -279,12 +279,16 @@
           ? `${bytes(r.device_weight_buffer_bytes)} <span class="dim">of ${bytes(r.model_bytes)}` +
             ` (${(100 * r.device_weight_buffer_bytes / r.model_bytes).toFixed(0)} %)</span>`
           : '<span class="dim">all resident</span>';
+        const stored = r.stored_block_bytes != null
+          ? `${bytes(r.stored_block_bytes)} <span class="dim">in ${esc(r.weights_dtype ?? "?")}` +
+            "</span>"
+          : '<span class="dim">—</span>';
         const job = r.job_id ? `<span data-job="${esc(r.job_id)}"><a class="mono" ` +
           `href="/dashboard/jobs/${encodeURIComponent(r.job_id)}">${esc(r.job_id)}</a> ` +
           `<span class="dim steps">${r.step ?? "?"}/${r.total_steps ?? "?"}</span></span>`
           : '<span class="dim">idle</span>';
         return `<tr><td>rank ${r.rank}</td><td>${r.replica ?? "—"}</td>
-          <td class="mono">${esc(r.device)}</td><td>${job}</td><td>${weights}</td>
+          <td class="mono">${esc(r.device)}</td><td>${job}</td><td>${weights}</td><td>${stored}</td>
           <td>${String(r.device).startsWith("cpu") ? '<span class="dim" title="on the CPU ' +
             'the device is host memory: see the PSS">—</span>' : bytes(r.device_mem_used_bytes)}
           </td><td>${bytes(r.host_mem_bytes)}</td>
@@ -304,7 +308,8 @@
           <tr><th>running</th><td>${g.num_running} of ${g.dp_size} replica(s)</td></tr>
         </table>
         <div class="ranks"><table><tr><th>rank</th><th>replica</th><th>device</th><th>current job · step</th>
-          <th>device weight buffers · of the model</th><th>device memory used</th>
+          <th>device weight buffers · of the model</th><th>blocks as kept · dtype</th>
+          <th>device memory used</th>
           <th>host memory (PSS)</th><th>pid</th></tr>${ranks}</table></div></section>`;
     }).join("");
   }
