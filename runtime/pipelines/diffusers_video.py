@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -39,6 +41,7 @@ import transformers.utils.logging as tlog
 from diffusers import CogVideoXDPMScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
+from common import admission
 from common.families import COGVIDEOX, FAMILIES, WAN, Family, family_of, model_index
 from runtime.budget import AUTO, DeviceBudget, activation_bytes, resolve_budget
 from runtime.dlo import DLOHandle, apply_dlo
@@ -286,19 +289,14 @@ def check_components(model_dir: Path, index: dict[str, Any],
 
 def check_frames(r: VideoRequest, family: Family, temporal: int, multiple: int,
                  base: int = 1) -> None:
-    """``temporal`` and ``multiple``: what the loaded model's VAE and patch need (a clip has
-    ``base`` + k x ``temporal`` frames, within the family's ``min_frames`` and ``max_frames``);
-    the family's ``size_multiple`` is the least a size must be a multiple of."""
-    multiple = max(family.size_multiple, multiple)
-    most = family.max_frames or r.num_frames
-    if (r.num_frames - base) % temporal or not family.min_frames <= r.num_frames <= most:
-        within = (f" from {family.min_frames} to {family.max_frames}" if family.max_frames
-                  else "")
-        raise ValueError(f"this model renders {base} + {temporal}k frames{within}, got "
-                         f"{r.num_frames}")
-    if r.height % multiple or r.width % multiple:
-        raise ValueError(f"this model renders sizes that are multiples of {multiple}, got "
-                         f"{r.width}x{r.height}")
+    """The request against the model's own rules (`common.admission.model_problems`, the rules
+    the API and `kiln render` refuse by) with the numbers the loaded model reports: a clip has
+    ``base`` + k x ``temporal`` frames within the family's ``min_frames`` and ``max_frames``;
+    sizes are multiples of ``multiple`` and of the family's ``size_multiple``. A ValueError
+    naming every problem, each with the nearest valid value."""
+    loaded = dataclasses.replace(family, frame_stride=temporal, frame_base=base,
+                                 size_multiple=math.lcm(family.size_multiple, multiple))
+    admission.raise_if_any(admission.model_problems(loaded, r))
 
 
 class WanVideoPipeline(DiffusersVideoPipeline):
