@@ -20,6 +20,7 @@ from diffusers import FirstBlockCacheConfig
 from multirank import run_ranks
 
 from runtime.models.synthetic import SyntheticSpec, build_pipeline, make_checkpoint
+from runtime.models.tiny import build_tiny
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
 from runtime.pipelines.reference import run_reference
 from runtime.pipelines.registry import load_diffusers
@@ -132,10 +133,14 @@ def test_wan_at_dp2_allgather_each_job_equals_diffusers_at_its_threshold(wan_dir
     assert sum(a["gathered"] for a, _ in steps) <= 4 * len(steps) - both
 
 
-def _tiny_rank(rank: int, world: int) -> tuple[np.ndarray, list[dict[str, int]], dict[str, int]]:
-    pipe = TinyPipeline.load(device="cpu")
+def _tiny_rank(rank: int, world: int,
+               resident: int) -> tuple[np.ndarray, list[dict[str, int]], dict[str, int]]:
+    # A budget for ``resident`` leading blocks and the two slots (kiln-tiny's blocks are alike).
+    block_bytes = 4 * sum(p.numel() for p in build_tiny().transformer.blocks[0].parameters())
+    budget = int((resident + 2.5) * block_bytes) if resident else None
+    pipe = TinyPipeline.load(device="cpu", device_budget=budget)
     try:
-        assert pipe.handles[0].gathers
+        assert pipe.handles[0].gathers and pipe.handles[0].resident_blocks == resident
         steps = _record(pipe)
         gathers = pipe.handles[0].stats()["num_gathers"]
         state = step_lockstep(pipe, rank, TINY_REQUESTS)
@@ -161,17 +166,21 @@ def _tiny_alone(request: VideoRequest) -> tuple[np.ndarray, dict[str, int]]:
         torch.set_num_threads(threads)
 
 
-def test_kiln_tiny_at_dp2_skips_the_gathers_of_forwards_both_ranks_skip():
-    results = run_ranks(2, _tiny_rank)
-    num_blocks = 4
+@pytest.mark.parametrize("resident", [0, 1])
+def test_kiln_tiny_at_dp2_skips_the_gathers_of_forwards_both_ranks_skip(resident):
+    # resident=1: the first block stays on the device, so a step both ranks skip gathers none.
+    results = run_ranks(2, _tiny_rank, resident)
+    num_blocks, streamed = 4, 4 - resident
+    first = 1 - resident  # what a skipped forward gathers: its first block, if that streams
     for (frames, _, figures), request in zip(results, TINY_REQUESTS, strict=True):
         alone, alone_figures = _tiny_alone(request)
         np.testing.assert_array_equal(frames, alone)  # whatever the other rank's job does
         assert {k: figures[k] for k in alone_figures} == alone_figures
     steps = list(zip(results[0][1], results[1][1], strict=True))
-    # One forward per step: all 4 blocks gathered unless both ranks skip, then the first only.
+    # One forward per step: every streamed block gathered unless both ranks skip, then the
+    # first only.
     for a, b in steps:
-        expected = 1 if a["skipped"] and b["skipped"] else num_blocks
+        expected = first if a["skipped"] and b["skipped"] else streamed
         assert a["gathered"] == b["gathered"] == expected
         # What the pipeline reports of the step (the rank's status figures): the same gathers,
         # and the first block only where its own job skipped.
@@ -182,7 +191,7 @@ def test_kiln_tiny_at_dp2_skips_the_gathers_of_forwards_both_ranks_skip():
     assert both >= 3
     # The engine's own count of gathers issued falls by as much: 3 fewer per step both skip (to
     # one: the prefetch of the next forward's first block may be issued before it is read).
-    expected = num_blocks * len(steps) - (num_blocks - 1) * both
+    expected = streamed * len(steps) - (streamed - first) * both
     assert expected - 1 <= results[0][2]["gathers"] <= expected + 1
 
 
