@@ -5,7 +5,7 @@ Renders 12 prompts at 30 steps on one CPU rank, exactly and at each first-block 
 blocks a job computed (mean over the prompts), how many times fewer than exact, and the PSNR of
 its frames against the exact ones (float frames in [0, 1], peak 1; identical frames count as
 100 dB; mean and least over the prompts). What kiln-tiny's quality tiers' thresholds are chosen
-from (``runtime.step_cache.TIERS``). About a minute.
+from (``common.quality.TIERS``). About a minute.
 
     python bench/step_cache.py
 """

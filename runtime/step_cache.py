@@ -24,6 +24,7 @@ are therefore the same whatever the other ranks' jobs, and a group whose jobs ar
 no extra work at all.
 
 Not with sequence parallelism: the shards of a replica would each decide on their own tokens.
+A request's quality tier names its threshold (``common.quality``).
 """
 
 from __future__ import annotations
@@ -37,31 +38,6 @@ import torch
 from torch import nn
 
 from runtime.dlo import DLOHandle
-
-#: A request's quality tiers: ``exact`` computes every block of every step (the frames are
-#: those of a render without step caching, bit for bit); ``balanced`` and ``fast`` cache steps at
-#: a family's thresholds (`TIERS`).
-QUALITIES = ("exact", "balanced", "fast")
-#: Per family, the first-block cache threshold of each caching tier, measured on its shipped
-#: weights with bench/step_cache.py (12 prompts, 30 steps, against exact). kiln-tiny: balanced
-#: computes 1.40x fewer blocks at a mean PSNR of 44.7 dB (least 38.3), fast 1.86x at 33.3 dB
-#: (least 29.3). A family without an entry renders exact only: thresholds depend on the model.
-TIERS: dict[str, dict[str, float]] = {"kiln-tiny": {"balanced": 0.1, "fast": 0.2}}
-
-
-def tier_threshold(family: str, quality: str) -> float | None:
-    """The step cache threshold (``VideoRequest.step_cache``) of ``quality`` for ``family`` (a
-    ``common.families`` name); None for ``exact``. A ValueError for an unknown tier, or a
-    caching tier of a family that has none."""
-    if quality not in QUALITIES:
-        raise ValueError(f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
-    if quality == "exact":
-        return None
-    tiers = TIERS.get(family)
-    if tiers is None:
-        raise ValueError(f"{family} renders at quality exact only (no measured step cache "
-                         f"thresholds), not {quality}")
-    return tiers[quality]
 
 
 @dataclass(kw_only=True, slots=True)

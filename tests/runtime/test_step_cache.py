@@ -19,6 +19,7 @@ import torch
 from diffusers import FirstBlockCacheConfig
 from multirank import run_ranks
 
+from common.quality import tier_threshold
 from runtime.models.synthetic import SyntheticSpec, build_pipeline, make_checkpoint
 from runtime.models.tiny import build_tiny
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
@@ -27,7 +28,6 @@ from runtime.pipelines.registry import load_diffusers
 from runtime.pipelines.tiny import TinyPipeline
 from runtime.render import run_lockstep, step_lockstep
 from runtime.resume import request_digest
-from runtime.step_cache import tier_threshold
 
 WAN = SyntheticSpec(family="wan")
 WAN_REQUEST = VideoRequest(prompt="a red circle moving left", negative_prompt="blurry",
@@ -236,6 +236,7 @@ def test_a_cached_step_on_gathering_ranks_without_agreement_is_refused(monkeypat
 
 
 def test_an_exact_request_digests_as_before_a_cached_one_apart():
+    assert VideoRequest(prompt="a red ball").step_cache is None  # exact unless asked
     fields = {f.name: getattr(TINY_REQUESTS[0], f.name)
               for f in dataclasses.fields(TINY_REQUESTS[0])}
     for name in ("step_cache", "conditioning", "adapters"):
@@ -244,17 +245,6 @@ def test_an_exact_request_digests_as_before_a_cached_one_apart():
     exact = dataclasses.replace(TINY_REQUESTS[0], step_cache=None)
     assert request_digest(exact) == request_digest(legacy)  # type: ignore[arg-type]
     assert request_digest(TINY_REQUESTS[0]) != request_digest(exact)
-
-
-def test_quality_tiers_map_to_thresholds_and_exact_is_the_default():
-    assert VideoRequest(prompt="a red ball").step_cache is None  # exact unless asked
-    assert tier_threshold("kiln-tiny", "exact") is None
-    assert tier_threshold("wan", "exact") is None
-    assert tier_threshold("kiln-tiny", "balanced") < tier_threshold("kiln-tiny", "fast")
-    with pytest.raises(ValueError, match="exact only"):
-        tier_threshold("wan", "fast")
-    with pytest.raises(ValueError, match="quality must be one of"):
-        tier_threshold("kiln-tiny", "draft")
 
 
 def test_kiln_tiny_fast_tier_computes_at_least_1_4x_fewer_blocks_at_30_db():
