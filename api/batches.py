@@ -25,7 +25,6 @@ from api.schemas import (
     BatchProgress,
     BatchPublic,
     BatchReport,
-    BatchReportJob,
     JobCreate,
     metadata_bytes,
 )
@@ -33,7 +32,7 @@ from common import netguard
 from common.settings import Settings
 from storage import adapters, batches, input_files
 from storage.submission import JobSpec
-from storage.tables import Batch, Job, JobClass, JobState, User
+from storage.tables import Batch, JobClass, User
 
 JSONL_TYPES = frozenset({"application/x-ndjson", "application/jsonl", "application/x-jsonlines",
                          "application/jsonlines"})
@@ -375,34 +374,6 @@ def batch_public(batch: Batch, summary: batches.Summary, now: datetime, *,
     )
 
 
-_PROBLEM_STATES = frozenset({JobState.FAILED, JobState.EXPIRED, JobState.DEAD})
-
-
 def report(session: Session, batch: Batch) -> BatchReport:
-    summary = batches.summaries(session, [batch.id])[batch.id]
-    rows = [_report_job(job) for job in batches.batch_jobs(session, batch.id)]
-    active = None
-    if summary.started_at is not None and summary.last_finished_at is not None:
-        active = max(0.0, (summary.last_finished_at - summary.started_at).total_seconds())
-    per_hour = None
-    if active:
-        per_hour = round(summary.counts[JobState.SUCCEEDED] / (active / 3600), 2)
-    return BatchReport(
-        id=batch.id, name=batch.name, num_jobs=summary.total, counts=summary.counts,
-        not_before=batch.not_before, deadline=batch.deadline, created_at=batch.created_at,
-        started_at=summary.started_at, finished_at=summary.finished_at,
-        active_seconds=round(active, 3) if active is not None else None,
-        videos_per_hour=per_hour,
-        total_render_seconds=round(summary.total_render_seconds, 3),
-        problems=[r for r in rows if r.status in _PROBLEM_STATES], jobs=rows,
-    )
-
-
-def _report_job(job: Job) -> BatchReportJob:
-    public = jobs.job_public(job)
-    return BatchReportJob(
-        id=job.id, line=job.batch_index, status=job.state, prompt=job.prompt, seed=job.seed,
-        started_at=job.started_at, finished_at=job.finished_at,
-        render_seconds=job.render_seconds, video_url=public.video_url,
-        thumbnail_url=public.thumbnail_url, error=public.error,
-    )
+    """The batch's morning report as `storage.batches.report` builds it, as the API shows it."""
+    return BatchReport.model_validate(batches.report(session, batch), from_attributes=True)

@@ -34,7 +34,7 @@ from common.families import GENERIC, family_of
 from common.render import RequestDefaults
 from common.settings import Settings
 from scheduler import queue_index
-from storage import idempotency, submission
+from storage import batches, idempotency, submission
 from storage.submission import Created, JobSpec
 from storage.tables import Job, JobClass, JobState, User, utcnow
 
@@ -343,10 +343,8 @@ def unindex(redis: Redis, s: Settings, job: Job) -> None:
 
 
 def _error(job: Job) -> JobError | None:
-    if job.error is None or job.state in (JobState.QUEUED, JobState.RUNNING,
-                                          JobState.SUCCEEDED):
-        return None
-    return JobError(code=job.error_code or job.state, message=job.error)
+    error = batches.job_error(job)
+    return JobError(code=error.code, message=error.message) if error is not None else None
 
 
 def job_public(job: Job, *, queue_position: int | None = None,
@@ -355,7 +353,6 @@ def job_public(job: Job, *, queue_position: int | None = None,
     # progress_total column, public as total_steps.
     total = job.progress_total or job.num_inference_steps
     step = total if job.state == JobState.SUCCEEDED else min(job.progress_step, total)
-    done = job.state == JobState.SUCCEEDED
     return JobPublic(
         id=job.id, status=job.state, owner=owner, model=job.model, prompt=job.prompt,
         negative_prompt=job.negative_prompt, width=job.width, height=job.height,
@@ -371,9 +368,7 @@ def job_public(job: Job, *, queue_position: int | None = None,
         started_at=job.started_at, finished_at=job.finished_at,
         render_seconds=job.render_seconds, input_file_id=job.input_file_id,
         fit=job.input_fit, strength=job.strength,  # type: ignore[arg-type]
-        video_url=f"/v1/jobs/{job.id}/video" if done and job.output_video_key else None,
-        thumbnail_url=(f"/v1/jobs/{job.id}/thumbnail"
-                       if done and job.output_thumbnail_key else None),
+        video_url=batches.video_url(job), thumbnail_url=batches.thumbnail_url(job),
         has_audio=job.has_audio, adapters=job.adapters,  # type: ignore[arg-type]
         error=_error(job),
     )

@@ -31,19 +31,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from celery import Celery, Task, signals
-from pydantic import SecretStr
+from pydantic import SecretStr, TypeAdapter
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import batches as batch_views
-from api.schemas import BatchReport
 from common import logs, netguard
 from common.settings import Settings, get_settings
 from kiln import signing, webhook_client
 from kiln.webhook_client import Posted
 from scheduler import queue_index
 from scheduler.attempts import settle
-from storage import input_files, lifecycle, queries, retention, webhook_secrets, webhooks
+from storage import batches, input_files, lifecycle, queries, retention, webhook_secrets, webhooks
 from storage.db import make_engine, make_session_factory
 from storage.outputs import OutputStore, checkpoint_key, make_store
 from storage.tables import Batch, Job, JobState, utcnow
@@ -278,11 +276,15 @@ def batch_event_id(batch_id: str) -> str:
     return f"evt_{batch_id}_completed"
 
 
-def batch_payload(batch: Batch, report: BatchReport) -> dict[str, Any]:
+_REPORT_JSON = TypeAdapter(batches.Report)
+
+
+def batch_payload(batch: Batch, report: batches.Report) -> dict[str, Any]:
     """batch.completed, at the batch's last finish: its report (counts, throughput, render time)
     with the first `MAX_EVENT_PROBLEMS` problems and without the per-job list, plus the batch's
-    metadata and where the whole report is."""
-    data = report.model_dump(mode="json", exclude={"object", "jobs"})
+    metadata and where the whole report is. The report is `storage.batches.report`'s, dumped to
+    JSON as the API dumps its ``BatchReport``."""
+    data = _REPORT_JSON.dump_python(report, mode="json", exclude={"jobs"})
     data["problems"] = data["problems"][:MAX_EVENT_PROBLEMS]
     data.update(metadata=batch.meta, report_url=f"/v1/batches/{batch.id}/report")
     return event(webhooks.BATCH_COMPLETED, report.finished_at or batch.created_at, data)
@@ -448,7 +450,7 @@ def deliver_batch(ctx: Context, batch_id: str, *, now: datetime | None = None) -
         if not webhooks.wants(batch.webhook_events, webhooks.BATCH_COMPLETED):
             webhooks.settle_batch_attempt(session, batch_id, attempt.number, webhooks.UNWANTED)
             return Delivery(state=webhooks.UNWANTED, attempt=attempt.number)
-        body = encode(batch_payload(batch, batch_views.report(session, batch)))
+        body = encode(batch_payload(batch, batches.report(session, batch)))
         session.commit()  # no transaction stays open during the POST
 
         def record(posted: Posted, retry_at: datetime | None, at: datetime) -> str | None:

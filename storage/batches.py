@@ -1,5 +1,8 @@
 """The batch repository: submit many jobs as one batch, read its progress and report, cancel it.
 
+The morning report (`report`) is plain data built here, below the API, so that the webhook worker
+sends the same figures as `GET /v1/batches/{id}/report` without loading the web layer.
+
 A batch is created with all its jobs in ONE transaction (every job or none), committed here; tell
 Redis (`scheduler.queue_index.add`) about the returned jobs only after that. Cancelling is
 set-based but guarded exactly like `storage.lifecycle.request_cancel`: queued jobs become
@@ -206,6 +209,103 @@ def batch_jobs(session: Session, batch_id: str) -> list[Job]:
     """Every job of the batch, in the order of its submission's lines."""
     return list(session.scalars(select(Job).where(Job.batch_id == batch_id)
                                 .order_by(Job.batch_index, Job.created_at, Job.id)))
+
+
+@dataclass(frozen=True, slots=True)
+class ReportError:
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportJob:
+    """One job in a batch's report; the fields of the API's ``BatchReportJob``."""
+
+    id: str
+    line: int | None  # 1-based line (or position) in the submission
+    status: str
+    prompt: str
+    seed: int
+    started_at: datetime | None
+    finished_at: datetime | None
+    render_seconds: float | None
+    video_url: str | None
+    thumbnail_url: str | None
+    error: ReportError | None
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A batch's morning report; the fields of the API's ``BatchReport`` (less its ``object``),
+    in the same order, so a JSON dump of either reads the same."""
+
+    id: str
+    name: str | None
+    num_jobs: int
+    counts: dict[str, int]
+    not_before: datetime | None
+    deadline: datetime | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    active_seconds: float | None  # first job's start to the last finish of a job that ran
+    videos_per_hour: float | None  # succeeded jobs per hour of active_seconds
+    total_render_seconds: float
+    problems: list[ReportJob]  # the failed, expired and dead jobs
+    jobs: list[ReportJob]
+
+
+_PROBLEM_STATES = frozenset({JobState.FAILED, JobState.EXPIRED, JobState.DEAD})
+
+
+def video_url(job: Job) -> str | None:
+    """Where a succeeded job's video is served; None until there is one."""
+    done = job.state == JobState.SUCCEEDED and job.output_video_key
+    return f"/v1/jobs/{job.id}/video" if done else None
+
+
+def thumbnail_url(job: Job) -> str | None:
+    done = job.state == JobState.SUCCEEDED and job.output_thumbnail_key
+    return f"/v1/jobs/{job.id}/thumbnail" if done else None
+
+
+def job_error(job: Job) -> ReportError | None:
+    """The error a finished, unsuccessful job shows; None for one that is queued, running or
+    succeeded (a retried job's earlier error is not its outcome)."""
+    if job.error is None or job.state in (JobState.QUEUED, JobState.RUNNING,
+                                          JobState.SUCCEEDED):
+        return None
+    return ReportError(code=job.error_code or job.state, message=job.error)
+
+
+def report(session: Session, batch: Batch) -> Report:
+    """The batch's morning report: counts, throughput, render time, every job and its problems."""
+    summary = summaries(session, [batch.id])[batch.id]
+    rows = [_report_job(job) for job in batch_jobs(session, batch.id)]
+    active = None
+    if summary.started_at is not None and summary.last_finished_at is not None:
+        active = max(0.0, (summary.last_finished_at - summary.started_at).total_seconds())
+    per_hour = None
+    if active:
+        per_hour = round(summary.counts[JobState.SUCCEEDED] / (active / 3600), 2)
+    return Report(
+        id=batch.id, name=batch.name, num_jobs=summary.total, counts=summary.counts,
+        not_before=batch.not_before, deadline=batch.deadline, created_at=batch.created_at,
+        started_at=summary.started_at, finished_at=summary.finished_at,
+        active_seconds=round(active, 3) if active is not None else None,
+        videos_per_hour=per_hour,
+        total_render_seconds=round(summary.total_render_seconds, 3),
+        problems=[r for r in rows if r.status in _PROBLEM_STATES], jobs=rows,
+    )
+
+
+def _report_job(job: Job) -> ReportJob:
+    return ReportJob(
+        id=job.id, line=job.batch_index, status=job.state, prompt=job.prompt, seed=job.seed,
+        started_at=job.started_at, finished_at=job.finished_at,
+        render_seconds=job.render_seconds, video_url=video_url(job),
+        thumbnail_url=thumbnail_url(job), error=job_error(job),
+    )
 
 
 @dataclass(frozen=True, slots=True)

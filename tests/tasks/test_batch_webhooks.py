@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from standardwebhooks import Webhook, WebhookVerificationError
 from task_helpers import fail, make_settings, secret_of, submit, succeed, user
 
+from api import batches as batch_views
 from api.batches import Submission, specs_from_submission
 from api.schemas import BatchCreate
 from kiln.tasks import (
@@ -79,6 +80,11 @@ def test_the_last_job_to_end_sends_one_signed_batch_completed_with_the_report(
     assert got[0].headers["webhook-id"] == batch_event_id(batch_id)
     assert sent["type"] == "batch.completed"
     data = sent["data"]
+    # The worker builds the report below the API, and sends what GET .../report shows.
+    with ctx.sessions() as s:
+        shown = batch_views.report(s, s.get(Batch, batch_id)).model_dump(  # type: ignore[arg-type]
+            mode="json", exclude={"object", "jobs"})
+    assert {k: data[k] for k in shown} == shown
     assert (data["id"], data["name"], data["num_jobs"]) == (batch_id, "night", 3)
     assert {k: v for k, v in data["counts"].items() if v} == {"succeeded": 2, "failed": 1}
     assert data["active_seconds"] == 1200.0  # from the first start to the last finish
