@@ -302,13 +302,8 @@ def _summed_pss(procs: list[Any]) -> int:
 
 
 def _pss(pid: int) -> int:
-    """One process's PSS from the kernel's one-line rollup (parsing the full smaps takes long
-    enough for other ranks to map pages meanwhile); 0 once it has gone."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-    except (OSError, StopIteration, ValueError):
-        pass
+    """One process's PSS; 0 once it has gone. psutil reads the kernel's one-line rollup (parsing
+    the full smaps takes long enough for other ranks to map pages meanwhile)."""
     try:
         return psutil.Process(pid).memory_full_info().pss
     except (psutil.Error, AttributeError):

@@ -13,6 +13,7 @@ every rank's memory figures come back to the parent over a queue.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,22 +91,21 @@ def output_path(out: str | os.PathLike[str], index: int) -> Path:
 
 
 def memory_figures() -> tuple[int, int, int]:
-    """(peak RSS, PSS, private bytes) of this process, from /proc where it exists."""
-    peak = pss = private = 0
+    """(peak RSS, PSS, private bytes) of this process. PSS and private (USS) come from psutil,
+    which reads the kernel's one-line rollup where it exists; where PSS is unknown (not Linux)
+    all three are the resident size."""
+    proc = psutil.Process()
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                peak = int(line.split()[1]) * 1024
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key == "Pss":
-                pss = int(rest.split()[0]) * 1024
-            elif key in ("Private_Clean", "Private_Dirty"):
-                private += int(rest.split()[0]) * 1024
-    except OSError:  # not Linux: fall back to what psutil sees
-        rss = psutil.Process().memory_info().rss
-        peak = pss = private = rss
-    return peak, pss, private
+        full = proc.memory_full_info()
+    except (psutil.AccessDenied, NotImplementedError):
+        rss = proc.memory_info().rss
+        return rss, rss, rss
+    pss = getattr(full, "pss", None)
+    if pss is None:
+        return full.rss, full.rss, full.rss
+    # ru_maxrss is the kernel's high-water mark of the resident set (VmHWM), in KiB on Linux.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak, pss, full.uss
 
 
 def frames_to_uint8(frames: Any, *, free_bytes: int | None = None) -> Any:

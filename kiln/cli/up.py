@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Annotated
 
 import httpx
+import psutil
 import typer
 
 from common.logs import configure as configure_logging
@@ -121,38 +122,33 @@ def _seconds(s: float) -> str:
     return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 
 
-def _stat(pid: int) -> tuple[str, int, str] | None:
-    """(state, process group, start time) of a process, from /proc; None if it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[2]), fields[19]
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _group_members(pgid: int) -> list[tuple[int, str]]:
-    """(pid, start time) of each live process in process group ``pgid`` (Linux; elsewhere
-    none are found)."""
+def _group_members(pgid: int) -> list[psutil.Process]:
+    """The live processes of process group ``pgid``; psutil remembers each one's start time, so
+    a pid the kernel gives to a new process later is not taken for it."""
     found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        stat = _stat(int(entry.name))
-        if stat is not None and stat[1] == pgid and stat[0] != "Z":
-            found.append((int(entry.name), stat[2]))
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, OSError):  # gone meanwhile, or not ours to look at
+            continue
     return found
 
 
-def _still_running(member: tuple[int, str]) -> bool:
-    """Whether ``member`` (pid, start time) runs still: the same process, not one that was given
-    its pid later, and not a zombie."""
-    stat = _stat(member[0])
-    return stat is not None and stat[2] == member[1] and stat[0] != "Z"
+def _still_running(member: psutil.Process) -> bool:
+    """Whether ``member`` runs still: the same process, not one that was given its pid later,
+    and not a zombie."""
+    try:
+        return member.is_running() and member.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
-def _signal(member: tuple[int, str], sig: int) -> None:
+def _signal(member: psutil.Process, sig: int) -> None:
     if _still_running(member):
         try:
-            os.kill(member[0], sig)
-        except (ProcessLookupError, PermissionError):
+            member.send_signal(sig)  # refused when the pid now names another process
+        except (psutil.Error, PermissionError):
             pass
 
 
@@ -191,7 +187,7 @@ class Child:
         # (pid, start time) of what earlier runs started and left running when they exited,
         # asked to stop then (a worker group's ranks hand their jobs back after their launcher
         # died); the final stop waits for them too.
-        self.leftovers: list[tuple[int, str]] = []
+        self.leftovers: list[psutil.Process] = []
 
     def command(self) -> str:
         return shlex.join([Path(self.argv[0]).name, *self.argv[1:]])
