@@ -133,8 +133,8 @@ def test_wan_at_dp2_allgather_each_job_equals_diffusers_at_its_threshold(wan_dir
     assert sum(a["gathered"] for a, _ in steps) <= 4 * len(steps) - both
 
 
-def _tiny_rank(rank: int, world: int,
-               resident: int) -> tuple[np.ndarray, list[dict[str, int]], dict[str, int]]:
+def _tiny_rank(rank: int, world: int, resident: int, requests: list[VideoRequest]
+               ) -> tuple[np.ndarray, list[dict[str, int]], dict[str, int]]:
     # A budget for ``resident`` leading blocks and the two slots (kiln-tiny's blocks are alike).
     block_bytes = 4 * sum(p.numel() for p in build_tiny().transformer.blocks[0].parameters())
     budget = int((resident + 2.5) * block_bytes) if resident else None
@@ -143,7 +143,7 @@ def _tiny_rank(rank: int, world: int,
         assert pipe.handles[0].gathers and pipe.handles[0].resident_blocks == resident
         steps = _record(pipe)
         gathers = pipe.handles[0].stats()["num_gathers"]
-        state = step_lockstep(pipe, rank, TINY_REQUESTS)
+        state = step_lockstep(pipe, rank, requests)
         assert state is not None
         figures = {**state.extra["step_cache"].figures(),
                    "gathers": pipe.handles[0].stats()["num_gathers"] - gathers}
@@ -169,7 +169,7 @@ def _tiny_alone(request: VideoRequest) -> tuple[np.ndarray, dict[str, int]]:
 @pytest.mark.parametrize("resident", [0, 1])
 def test_kiln_tiny_at_dp2_skips_the_gathers_of_forwards_both_ranks_skip(resident):
     # resident=1: the first block stays on the device, so a step both ranks skip gathers none.
-    results = run_ranks(2, _tiny_rank, resident)
+    results = run_ranks(2, _tiny_rank, resident, TINY_REQUESTS)
     num_blocks, streamed = 4, 4 - resident
     first = 1 - resident  # what a skipped forward gathers: its first block, if that streams
     for (frames, _, figures), request in zip(results, TINY_REQUESTS, strict=True):
@@ -269,3 +269,17 @@ def test_kiln_tiny_fast_tier_computes_at_least_1_4x_fewer_blocks_at_30_db():
     assert blocks["exact"] == 3 * 30 * 4
     assert blocks["exact"] / blocks["fast"] >= 1.4
     assert np.mean(scores) >= 30
+
+
+def test_kiln_tiny_both_replicas_on_fast_gather_3_of_4_blocks_less_per_step_both_skip():
+    fast = tier_threshold("kiln-tiny", "fast")
+    requests = [VideoRequest(prompt=p, seed=i, num_inference_steps=30, step_cache=fast)
+                for i, p in enumerate(["a red ball rolling left", "a blue cat on a sofa"])]
+    results = run_ranks(2, _tiny_rank, 0, requests)
+    steps = list(zip(results[0][1], results[1][1], strict=True))
+    both = sum(1 for a, b in steps if a["skipped"] and b["skipped"])
+    gathered = sum(a["gathered"] for a, _ in steps)
+    # With the shipped weights each job skips 18 of its 30 steps, 9 of them the same: 120
+    # gathers become 93. Every step both skip saves the 3 blocks after the first.
+    assert both >= 1 and all(r[2]["forwards_skipped"] > both for r in results)
+    assert gathered == 4 * 30 - 3 * both
