@@ -15,9 +15,11 @@ that an adapter visibly changes the video.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -306,6 +308,28 @@ def test_a_request_digest_covers_its_adapters_and_is_unchanged_without(wan):
     assert plain == request_digest(legacy)
 
 
+def family_reference(family: str, request: VideoRequest, adapter: Path | None = None,
+                     weight: float = 1.0) -> np.ndarray:
+    """diffusers' pipeline of Cosmos3 or MiniMax-H3 on the tiny checkpoint's components, with
+    ``adapter`` (if any) loaded by diffusers' own path and set to ``weight``."""
+    components = build_components(SyntheticSpec(family=family))
+    if family == "minimax-h3":  # its modular pipeline carries diffusers' MiniMax-H3 loader
+        ref = t2v_blocks().init_pipeline()
+        ref.update_components(**components)
+        if adapter is not None:
+            ref.load_lora_weights(str(adapter), adapter_name="a")
+            ref.set_adapters(["a"], [weight])
+    else:  # Cosmos3OmniPipeline has no LoRA loader: the transformer's own (peft's) path
+        ref = diffusers.Cosmos3OmniPipeline(**components)
+        ref.set_progress_bar_config(disable=True)
+        if adapter is not None:
+            ref.transformer.load_lora_adapter(str(adapter), prefix="transformer",
+                                              adapter_name="a",
+                                              use_safetensors=True)  # with the header's config
+            ref.transformer.set_adapters(["a"], [weight])
+    return run_reference(ref, family, request)
+
+
 @pytest.mark.parametrize("family", ["cosmos3", "minimax-h3"])
 def test_cosmos3_and_minimax_h3_with_an_adapter_equal_diffusers_bit_for_bit(family, tmp_path):
     spec = SyntheticSpec(family=family)
@@ -320,16 +344,99 @@ def test_cosmos3_and_minimax_h3_with_an_adapter_equal_diffusers_bit_for_bit(fami
         plain = pipe.generate(request).numpy()
     finally:
         pipe.close()
-    if family == "minimax-h3":  # its modular pipeline carries diffusers' MiniMax-H3 loader
-        ref = t2v_blocks().init_pipeline()
-        ref.update_components(**build_components(spec))
-        ref.load_lora_weights(str(path), adapter_name="a")
-        ref.set_adapters(["a"], [0.7])
-    else:  # Cosmos3OmniPipeline has no LoRA loader: the transformer's own (peft's) path
-        ref = diffusers.Cosmos3OmniPipeline(**build_components(spec))
-        ref.set_progress_bar_config(disable=True)
-        ref.transformer.load_lora_adapter(str(path), prefix="transformer", adapter_name="a",
-                                          use_safetensors=True)  # with the header's config
-        ref.transformer.set_adapters(["a"], [0.7])
-    np.testing.assert_array_equal(frames, run_reference(ref, family, request))
+    np.testing.assert_array_equal(frames, family_reference(family, request, path, 0.7))
     assert np.abs(frames - plain).max() > 0.1 and frames.std() > 0.01
+
+
+Job = tuple[VideoRequest, dict[str, float]]  # a request and its adapters: name -> weight
+
+
+def _rounds_rank(rank: int, world: int, model_dir: str, family: str, files: dict[str, Path],
+                 rounds: list[list[Job]]) -> list[tuple[list[list[int]], np.ndarray]]:
+    """Rounds of jobs on one loaded group, one job per replica a round in lock-step (job i of a
+    round on rank i, as ``runtime.render.generate_in_rounds`` feeds a group more jobs than it
+    has replicas); this rank loads its own job's adapters. Per round: the blocks each handle
+    gathered in each step, and this rank's frames."""
+    pipe = load_diffusers(model_dir, device="cpu")
+    try:
+        assert all(h.config.use_allgather and h.config.world_size == world
+                   for h in pipe.handles)
+        growth = _record_steps(pipe)
+        transformers = named_transformers(pipe)
+        results = []
+        for jobs in rounds:
+            requests = [request for request, _ in jobs]
+            request, weights = jobs[rank]
+            requests[rank] = dataclasses.replace(request, adapters=tuple(
+                (load_adapter(files[n], family, transformers), w) for n, w in weights.items()))
+            first = len(growth)
+            frames = run_lockstep(pipe, rank, requests)
+            results.append((growth[first:], frames.numpy()))
+        return results
+    finally:
+        pipe.close()
+
+
+@contextlib.contextmanager
+def rank_threads() -> Iterator[None]:
+    """Compute with the one thread each rank of `tests.multirank` has: CPU kernels split their
+    reductions by thread count, so a reference compares bits only with the same count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["cosmos3", "minimax-h3"])
+def test_cosmos3_and_minimax_h3_replicas_with_and_without_an_adapter_equal_diffusers(
+        family, tmp_path):
+    # dp=2, one launch: a round with no adapter on either replica, then the same jobs with an
+    # adapter on rank 0 and none on rank 1.
+    spec = SyntheticSpec(family=family)
+    model_dir = make_checkpoint(tmp_path / family, spec)
+    files = {"a": write_adapter(tmp_path / "a.safetensors", build_components(spec)["transformer"],
+                                rank=4, alpha=8, seed=1, family=family)}
+    base = REQUESTS.get(family, REQUEST)
+    jobs = [base, dataclasses.replace(base, prompt="a blue cat flying over the sea", seed=7)]
+    rounds = [[(jobs[0], {}), (jobs[1], {})], [(jobs[0], {"a": 0.7}), (jobs[1], {})]]
+    results = run_ranks(2, _rounds_rank, str(model_dir), family, files, rounds)
+    with rank_threads():
+        refs = [family_reference(family, jobs[0], files["a"], 0.7),
+                family_reference(family, jobs[1])]
+    (plain_0, frames_0), (plain_1, frames_1) = results
+    for rank, (plain, (growth, frames)) in enumerate(results):
+        # The same gathers in every step as with no adapter on either replica.
+        assert growth == plain[0] and len(growth) == base.num_inference_steps, f"rank {rank}"
+        np.testing.assert_array_equal(frames, refs[rank])
+    assert np.array_equal(frames_1[1], plain_1[1])  # beside an adapter or not
+    assert np.abs(frames_0[1] - plain_0[1]).max() > 0.1  # the adapter counts
+
+
+# Four jobs on one request, told apart by their adapters alone (job i on rank i % 2).
+FOUR_JOBS = [{"a": 0.7}, {"b": 1.5}, {}, {"a": 0.3}]
+
+
+@pytest.mark.slow
+def test_one_group_renders_four_jobs_with_their_own_adapters_two_at_a_time(wan):
+    # dp=2, one launch, the same ranks throughout: a round without adapters (the gathers to
+    # match), then A beside B, then none beside A at another weight (the hooks A and B left).
+    rounds = [[(REQUEST, {}), (REQUEST, {})],
+              [(REQUEST, FOUR_JOBS[0]), (REQUEST, FOUR_JOBS[1])],
+              [(REQUEST, FOUR_JOBS[2]), (REQUEST, FOUR_JOBS[3])]]
+    results = run_ranks(2, _rounds_rank, str(wan["model"]), "wan", wan, rounds)
+    with rank_threads():
+        pipe = load_diffusers(wan["model"], device="cpu")
+        try:
+            alone = [render(pipe, wan, weights) for weights in FOUR_JOBS]
+        finally:
+            pipe.close()
+    for rank, ((plain_growth, _), *jobs) in enumerate(results):
+        assert len(plain_growth) == REQUEST.num_inference_steps
+        for i, (growth, frames) in enumerate(jobs):
+            assert growth == plain_growth, f"rank {rank}, round {i + 1}"
+            np.testing.assert_array_equal(frames, alone[2 * i + rank])
+    for i in range(4):  # each job's adapters, and only they, made its video
+        assert all(np.abs(alone[i] - alone[j]).max() > 0.01 for j in range(i))
