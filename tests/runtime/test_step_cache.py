@@ -283,3 +283,38 @@ def test_kiln_tiny_both_replicas_on_fast_gather_3_of_4_blocks_less_per_step_both
     # gathers become 93. Every step both skip saves the 3 blocks after the first.
     assert both >= 1 and all(r[2]["forwards_skipped"] > both for r in results)
     assert gathered == 4 * 30 - 3 * both
+
+
+def _failing_rank(rank: int, world: int, block: int) -> np.ndarray | None:
+    """Rank 0's job raises in block ``block`` in its first step (before the group's decision,
+    or after), then the rank idles; rank 1 renders TINY_REQUESTS[1]."""
+    pipe = TinyPipeline.load(device="cpu")
+    try:
+        def fail(module: Any, args: Any) -> None:
+            raise RuntimeError("a block failed")
+
+        if rank == 0:
+            pipe.model.transformer.blocks[block].register_forward_pre_hook(fail)
+        state = pipe.prepare(TINY_REQUESTS[rank])
+        failed = False
+        for _ in range(state.num_inference_steps):
+            active = agree_handles(pipe, state if not failed else None)
+            assert active.step_cache  # both jobs cache: every forward decides
+            if failed:
+                pipe.idle_step(active)
+                continue
+            try:
+                pipe.step(state, active)
+            except RuntimeError as exc:
+                assert rank == 0 and "a block failed" in str(exc)
+                failed = True
+        return None if failed else pipe.decode(state).numpy()
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("block", [0, 2])
+def test_a_forward_that_raises_in_a_deciding_step_leaves_the_other_rank_rendering(block):
+    results = run_ranks(2, _failing_rank, block)
+    assert results[0] is None
+    np.testing.assert_array_equal(results[1], _tiny_alone(TINY_REQUESTS[1])[0])
