@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from common import logs
+from common import logs, retry
 from kiln.config import WorkerConfig
 from kiln.group_io import Claimed, GroupIO
 from runtime.rank_loop import Ended, Progress, RankMessage, RankReport, Rendered, StepPlan, Ticket
@@ -235,6 +235,7 @@ class Coordinator:
         # of the interactive job for it. Replica -> when its hold went out.
         self.holds: dict[int, float] = {}
         self._backoff = 0.0  # seconds claims pause after the last outage error
+        self._failed_claims = 0  # in a row, for the backoff
         self._claims_resume_at = 0.0  # by the clock
         self._last_report = -float("inf")
         self._last_work = clock()
@@ -625,7 +626,8 @@ class Coordinator:
         if claims:
             # Only the claims' own failures set the pause: the writes that fail meanwhile
             # (reports, heartbeats) must not hold the queue once the server is back.
-            self._backoff = min(MAX_BACKOFF_SECONDS, max(0.5, 2 * self._backoff))
+            self._failed_claims += 1
+            self._backoff = retry.backoff(self._failed_claims, first=0.5, cap=MAX_BACKOFF_SECONDS)
             self._claims_resume_at = self.clock() + self._backoff
 
     def _recovered(self) -> None:
@@ -635,6 +637,7 @@ class Coordinator:
             self._last_report = -float("inf")  # say so now
             self._hand_back_lost_claims()
         self._backoff = 0.0
+        self._failed_claims = 0
 
     def _hand_back_lost_claims(self) -> None:
         """Claims the database committed while the outage kept their answer from this group

@@ -35,7 +35,7 @@ from pydantic import SecretStr, TypeAdapter
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from common import logs, netguard
+from common import logs, netguard, retry
 from common.settings import Settings, get_settings
 from kiln import signing, webhook_client
 from kiln.webhook_client import Posted
@@ -291,9 +291,10 @@ def batch_payload(batch: Batch, report: batches.Report) -> dict[str, Any]:
 
 
 def backoff_seconds(settings: Settings, attempt: int) -> float:
-    """The wait after failed attempt number ``attempt`` (1-based): doubling, capped."""
-    return min(settings.webhook_backoff_seconds * 2 ** (attempt - 1),
-               settings.webhook_backoff_max_seconds)
+    """The wait after failed attempt number ``attempt`` (1-based): doubling, capped, jittered
+    (`common.retry`)."""
+    return retry.backoff(attempt, first=settings.webhook_backoff_seconds,
+                         cap=settings.webhook_backoff_max_seconds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from typing import Any
 from redis import Redis
 from sqlalchemy.orm import Session
 
-from common import logs
+from common import logs, retry
 from common.families import checkpoint_family, family_of
 from common.settings import Settings
 from kiln.config import WorkerConfig
@@ -157,8 +157,9 @@ def run_worker(settings: Settings, config: WorkerConfig,
     A rank that dies (or raises, or hangs a collective past ``collective_timeout_seconds``) takes
     its group down; the launcher then ends the group's attempts at once, charging only the job
     of the rank that died (`recover_attempts`), and starts a new rank set after a backoff (1 s,
-    doubling to 30 s; the model reloads from the shared mmap). More than ``max_restarts``
-    restarts within ``restart_window_seconds`` is a crash loop: it gives up.
+    doubling to 30 s, jittered by `common.retry`; the model reloads from the shared mmap). More
+    than ``max_restarts`` restarts within ``restart_window_seconds`` is a crash loop: it gives
+    up.
 
     Returns an exit code: 0 after a graceful stop (SIGINT or SIGTERM: the running jobs have
     ``config.drain_seconds`` to finish, then go back to the queue uncharged; a second signal
@@ -175,7 +176,7 @@ def run_worker(settings: Settings, config: WorkerConfig,
                       collective_timeout_s=config.collective_timeout_seconds)
         return 0
     restarts: list[float] = []
-    backoff = 1.0
+    failures = 0  # restarts in a row, for the backoff
     while True:
         group = replace(config, group_id=config.group_id or new_group_id())
         started = time.monotonic()
@@ -196,22 +197,23 @@ def run_worker(settings: Settings, config: WorkerConfig,
                 return 0
         now = time.monotonic()
         if now - started > config.restart_window_seconds:
-            backoff = 1.0  # it ran well for a while: this is not a loop
+            failures = 0  # it ran well for a while: this is not a loop
         restarts = [t for t in restarts if now - t < config.restart_window_seconds]
         # A crash charged to the job its rank was rendering is that job's (its attempts bound
         # it); the others count towards the crash loop.
         if not charged:
             restarts.append(now)
         else:
-            backoff = 1.0
+            failures = 0
         if len(restarts) > config.max_restarts:
             log.error("the ranks failed %d times within %.0f s; not starting them again",
                       len(restarts), config.restart_window_seconds)
             return 1
-        log.warning("starting the ranks again in %.0f s", backoff)
-        if _stop_requested_within(backoff):
+        failures += 1
+        wait = retry.backoff(failures, first=1.0, cap=MAX_RESTART_BACKOFF_SECONDS)
+        log.warning("starting the ranks again in %.0f s", wait)
+        if _stop_requested_within(wait):
             return 0
-        backoff = min(MAX_RESTART_BACKOFF_SECONDS, 2 * backoff)
 
 
 def plan_layout(settings: Settings, config: WorkerConfig) -> WorkerConfig:

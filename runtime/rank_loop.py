@@ -64,7 +64,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import logs
+from common import logs, retry
 from common.procs import cgroup_memory_bytes
 from runtime import resume
 from runtime.adapter_cache import AdapterCache, AdapterRef
@@ -556,7 +556,7 @@ class RankLoop:
     def _write_held(self) -> None:
         """The writer thread: stores the held jobs, oldest first; a try the storage refuses is
         tried again after a backoff, until it is stored or given up."""
-        delay = 0.0
+        failures = 0
         while True:
             with self._writes:
                 self._writes.wait_for(lambda: self._closing or self._announced() is not None)
@@ -570,7 +570,8 @@ class RankLoop:
                 sound = () if held.audio is None else (held.audio,)
                 video, thumb = self.write(held.frames, job_id, held.fps, *sound)
             except OSError as exc:
-                delay = min(MAX_RETRY_SECONDS, max(FIRST_RETRY_SECONDS, 2 * delay))
+                failures += 1
+                delay = retry.backoff(failures, first=FIRST_RETRY_SECONDS, cap=MAX_RETRY_SECONDS)
                 with self._writes:
                     if held in self._held:
                         if self.store_error is None:

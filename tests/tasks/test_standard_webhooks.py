@@ -107,8 +107,12 @@ def test_a_receiver_answering_500_twice_gets_the_event_on_the_third_try(ctx: Con
         msg_id, body = progress_event(live_id, 1, 2, 4)
         outcomes = [deliver_live(ctx, receiver.url, msg_id, "job.progress", body, attempt=n)
                     for n in (1, 2, 3)]
-        assert [(o.state, o.status, o.retry_in) for o in outcomes] == [
-            ("pending", 500, 2.0), ("pending", 500, 4.0), ("delivered", 200, None)]
+        assert [(o.state, o.status) for o in outcomes] == [
+            ("pending", 500), ("pending", 500), ("delivered", 200)]
+        # Waits of 2 s then 4 s, each jittered over its upper half (common.retry).
+        waits = [o.retry_in for o in outcomes]
+        assert waits[0] is not None and waits[1] is not None and waits[2] is None
+        assert 1.0 <= waits[0] <= 2.0 and 2.0 <= waits[1] <= 4.0
         # The final events: the outbox's retries, with the same webhook-id on every attempt.
         receiver.fail_first = 5  # counted from the first request: two more 500s
         t = utcnow() - timedelta(minutes=1)
