@@ -10,7 +10,8 @@ choice (``bench/steptime.py``), cold start at dp 1, 2
 and 4 (``bench/coldstart.py``) and the memory model fitted to it, device weight buffers against
 depth (``bench/buffers.py``), request tiling
 (``bench/tiling.py``), jobs per hour at dp 1 and 2, kiln's admission against waves and dp=2
-against sp=2 (``bench/layouts.py``), a short soak
+against sp=2 (``bench/layouts.py``), step time with LoRA adapters (``bench/adapters.py``), a
+short soak
 (``bench/chaos.py``) and the service
 (``bench/submit.py``, ``bench/service_latency.py``, ``bench/scheduler_claim.py``; they need
 PostgreSQL and Redis as the tests do). ``--quick``: small sizes, for a smoke run.
@@ -164,6 +165,10 @@ SCRIPTS: dict[str, tuple[list[str], list[str] | None]] = {
     "mixed": (["mixed.py", "--rounds", "3", "--json", "{json}"], None),
     # The whole service twice (one per mode), batch jobs of a minute or more: not in --quick.
     "overnight": (["overnight.py", "--json", "{json}"], None),
+    "adapters": (["adapters.py", "--json", "{json}"],
+                 ["adapters.py", "--tokens", "64,128", "--width", "256", "--reps", "1",
+                  "--tiny-sizes", "64x64x9", "--replica-size", "64x64x9", "--replica-reps", "1",
+                  "--json", "{json}"]),
     # The GPU check: only with --device cuda (its --dry-run runs the same code on the CPU).
     "cuda": (["cuda_check.py", "--json", "{json}"],
              ["cuda_check.py", "--dry-run", "--json", "{json}"]),
@@ -516,6 +521,59 @@ def _overnight_section(night: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _adapters_section(result: dict[str, Any]) -> list[str]:
+    dit, tiny, rep = result["dit"], result["kiln_tiny"], result["replicas"]
+    rank = dit["points"][0]["rank"]
+    lines = ["## Adapters", "",
+             f"Step time with a rank-{rank} LoRA adapter on every linear layer of every block, "
+             "added on the activation side of the shared block weights (`runtime.adapters`), "
+             "against none: one process, fp32, one torch thread, the three modes interleaved "
+             f"(`{result['command']}`). *hooks idle*: a job without adapters on a model an "
+             f"adapter ran on before (each hook costs {result['idle_hook_us_per_linear_call']} us "
+             "a Linear call); *adapter*: a job with the adapter. Ratios to no adapter, by wall "
+             "time and by the CPU time the process spent (the figure other processes' load on "
+             "the machine disturbs least).", "",
+             "| model | input | tokens | flops the adapter adds | no adapter s | hooks idle "
+             "(wall · CPU) | adapter (wall · CPU) |", "|---|---|---:|---:|---:|---|---|"]
+    models = ((f"DiT, width {dit['width']}, {dit['blocks']} blocks", dit, None),
+              (f"kiln-tiny, width {tiny['width']}, {tiny['blocks']} blocks", tiny, "size"))
+    for label, model, size in models:
+        lines += [f"| {label} | {f'{p[size]}, CFG pair' if size else '1 sequence'} | "
+                  f"{p['tokens']} | {model['lora_flops_share']:.0%} | {p['none_s']:.4f} | "
+                  f"{p['hooks_idle_ratio']:.3f} · {p['hooks_idle_cpu_ratio']:.3f} | "
+                  f"{p['adapter_ratio']:.3f} · {p['adapter_cpu_ratio']:.3f} |"
+                  for p in model["points"]]
+    worst = max(p["adapter_cpu_ratio"] for p in dit["points"])
+    at_dit = " and ".join(f"{p['adapter_cpu_ratio']:.3f}x at {p['tokens']}"
+                          for p in dit["points"])
+    at_tiny = " and ".join(f"{p['adapter_cpu_ratio']:.3f}x at {p['tokens']}"
+                           for p in tiny["points"])
+    lines += ["", f"The flops an adapter adds are {rank} x (in + out) per token on each Linear "
+              "of in x out, against its own in x out (a Linear on the text tokens counted as on "
+              f"the video's). By CPU time the step with the adapter is {at_dit} tokens for the "
+              f"DiT: {'within' if worst <= 1.10 else 'over'} the 1.10x bound; and {at_tiny} "
+              f"tokens for kiln-tiny, where the adapter adds {tiny['lora_flops_share']:.0%} of "
+              "the Linears' flops to a step that is mostly small matmuls and the work around "
+              "them.", "",
+              f"Two replicas: kiln-tiny at dp=2 on two ranks (DLO allgather, one thread each, "
+              f"a {rep['size']} job on each), every step of one job timed and counted to what "
+              f"its replicas ran in it, in turn ({rep['reps']} steps of each; the slower rank's "
+              "median, by wall time and by the CPU time the rank spent):", "",
+              "| replicas run | step s (wall · CPU) | over no adapter (wall · CPU) |",
+              "|---|---|---|",
+              f"| no adapter | {rep['none_s']:.4f} · {rep['none_cpu_s']:.4f} | 1.000 · 1.000 |",
+              f"| one adapter, the same on both | {rep['one_s']:.4f} · {rep['one_cpu_s']:.4f} | "
+              f"{rep['one_ratio']:.3f} · {rep['one_cpu_ratio']:.3f} |",
+              f"| two different adapters, one on each | {rep['two_s']:.4f} · "
+              f"{rep['two_cpu_s']:.4f} | {rep['two_ratio']:.3f} · {rep['two_cpu_ratio']:.3f} |",
+              "", f"Two different adapters against one: {rep['two_over_one']:.3f}x by wall time, "
+              f"{rep['two_over_one_cpu']:.3f}x by CPU time. Both replicas gather the same blocks "
+              "whatever their adapters (tests/runtime/test_adapters.py counts the gathers per "
+              "step), and each adds its own low-rank term, so a second adapter needs no copy of "
+              "the weights and no gather of its own.", ""]
+    return lines
+
+
 def _soak_section(soak: dict[str, Any]) -> list[str]:
     states = ", ".join(f"{k} {v}" for k, v in soak["states"].items())
     faults = ", ".join(f"{k} {v}" for k, v in soak["faults"].items())
@@ -686,6 +744,8 @@ def write_report(out: Path, report: Path) -> None:
         lines += _mixed_section(json.loads((out / "mixed.json").read_text()))
     if (out / "overnight.json").is_file():
         lines += _overnight_section(json.loads((out / "overnight.json").read_text()))
+    if (out / "adapters.json").is_file():
+        lines += _adapters_section(json.loads((out / "adapters.json").read_text()))
     if (out / "soak.json").is_file():
         lines += _soak_section(json.loads((out / "soak.json").read_text()))
     if all((out / f"{n}.json").is_file() for n in ("submit", "service_latency", "claim")):
