@@ -13,7 +13,7 @@ The models: a DiT-shaped model (`bench.dit`) of ``--width`` at ``--tokens`` (its
 proj, fc1, fc2), and kiln-tiny's transformer (width 128; qkv, attention out, cross-attention q,
 kv and out, the MLP's two) at ``--tiny-sizes`` videos, one forward of the CFG pair (batch 2) as
 a kiln-tiny step runs it. Rank 16 adds 16 * (in + out) multiply-adds per token to a Linear's
-in * out: 3 % of the DiT's Linear flops at width 1024, 17 % at kiln-tiny's width 128.
+in * out: about 2 % of the DiT's Linear flops at width 1024, 20 % of kiln-tiny's at width 128.
 
 Then two replicas (``--replica-size``): kiln-tiny at dp=2 on two CPU ranks over gloo, DLO
 allgather, one thread each, every step of one long job timed on each rank and attributed to the
@@ -25,8 +25,9 @@ gathers the same blocks for both replicas and adds each replica's own low-rank t
 Prints (or writes with ``--json``) one JSON document: the microseconds an idle hook adds to one
 Linear call; per model and size the median forward seconds of each mode and their ratios to
 ``none`` by wall time and by the CPU time the process spent (which other processes' load
-disturbs least); and the replicas' median step seconds per mode (the slower rank's) and their
-ratios, by wall and by CPU time.
+disturbs least); the replicas' median step seconds per mode (the slower rank's) and their
+ratios, by wall and by CPU time; and when it ran, with the machine's load average (1 minute) at
+the start and at the end.
 
 Usage: python bench/adapters.py [--width 1024] [--tokens 256,2048] [--blocks 2] [--rank 16]
        [--reps 7] [--threads 1] [--tiny-sizes 64x64x9,256x256x17]
@@ -39,9 +40,11 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -237,7 +240,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    result: dict[str, object] = {"idle_hook_us_per_linear_call": round(hook_call_us(), 2)}
+    load = {"start": round(os.getloadavg()[0], 2)}
+    result: dict[str, object] = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "load_average": load,
+        "idle_hook_us_per_linear_call": round(hook_call_us(), 2)}
     torch.manual_seed(0)
     dit = DiT(args.width, args.blocks)
     result["dit"] = {"width": args.width, "blocks": args.blocks,
@@ -255,6 +261,7 @@ def main() -> None:
                            "lora_flops_share": round(lora_flops_share(tiny, args.rank), 3),
                            "points": points}
     result["replicas"] = measure_replicas(args.replica_size, args.rank, args.replica_reps)
+    load["end"] = round(os.getloadavg()[0], 2)
     text = json.dumps(result, indent=1)
     if args.json:
         Path(args.json).write_text(text)

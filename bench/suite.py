@@ -521,6 +521,16 @@ def _overnight_section(night: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _measured(result: dict[str, Any]) -> str:
+    """When the benchmark ran (it may have run on its own, after the suite), with the
+    machine's load average then."""
+    if "date" not in result:
+        return ""
+    load = result["load_average"]
+    return (f", run {result['date']}, load average {load['start']:.2f} at the start "
+            f"and {load['end']:.2f} at the end")
+
+
 def _adapters_section(result: dict[str, Any]) -> list[str]:
     dit, tiny, rep = result["dit"], result["kiln_tiny"], result["replicas"]
     rank = dit["points"][0]["rank"]
@@ -528,11 +538,12 @@ def _adapters_section(result: dict[str, Any]) -> list[str]:
              f"Step time with a rank-{rank} LoRA adapter on every linear layer of every block, "
              "added on the activation side of the shared block weights (`runtime.adapters`), "
              "against none: one process, fp32, one torch thread, the three modes interleaved "
-             f"(`{result['command']}`). *hooks idle*: a job without adapters on a model an "
-             f"adapter ran on before (each hook costs {result['idle_hook_us_per_linear_call']} us "
-             "a Linear call); *adapter*: a job with the adapter. Ratios to no adapter, by wall "
-             "time and by the CPU time the process spent (the figure other processes' load on "
-             "the machine disturbs least).", "",
+             f"(`{result['command']}`{_measured(result)}). *hooks idle*: a job without "
+             "adapters on a model an adapter ran on before (each hook costs "
+             f"{result['idle_hook_us_per_linear_call']} us a Linear call); *adapter*: a job "
+             "with the adapter. Ratios to no adapter, by wall time and by the CPU time the "
+             "process spent (the figure other processes' load on the machine disturbs least, "
+             "and the one the 1.10x bound is judged by).", "",
              "| model | input | tokens | flops the adapter adds | no adapter s | hooks idle "
              "(wall · CPU) | adapter (wall · CPU) |", "|---|---|---:|---:|---:|---|---|"]
     models = ((f"DiT, width {dit['width']}, {dit['blocks']} blocks", dit, None),
@@ -552,9 +563,8 @@ def _adapters_section(result: dict[str, Any]) -> list[str]:
               "of in x out, against its own in x out (a Linear on the text tokens counted as on "
               f"the video's). By CPU time the step with the adapter is {at_dit} tokens for the "
               f"DiT: {'within' if worst <= 1.10 else 'over'} the 1.10x bound; and {at_tiny} "
-              f"tokens for kiln-tiny, where the adapter adds {tiny['lora_flops_share']:.0%} of "
-              "the Linears' flops to a step that is mostly small matmuls and the work around "
-              "them.", "",
+              f"tokens for kiln-tiny, where the adapter adds {tiny['lora_flops_share']:.0%} to "
+              "the Linears' flops.", "",
               f"Two replicas: kiln-tiny at dp=2 on two ranks (DLO allgather, one thread each, "
               f"a {rep['size']} job on each), every step of one job timed and counted to what "
               f"its replicas ran in it, in turn ({rep['reps']} steps of each; the slower rank's "
