@@ -36,14 +36,20 @@ def test_the_quick_suite_writes_json_a_plot_and_a_report_from_them(tmp_path: Pat
         assert pick["ratio_to_resident"] == p["ratio_to_resident"][pick["measured_as"]]
         assert f"{pick['layout']} ({pick['measured_as']}: {pick['ratio_to_resident']:.3f})" in text
     for name in ("coldstart", "buffers", "tiling", "layouts", "submit", "service_latency",
-                 "claim"):
+                 "claim", "adapters"):
         assert json.loads((out / f"{name}.json").read_text())["command"].startswith(
             "python bench/"), name
     for plot in ("coldstart", "buffers", "tiling", "throughput"):
         assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for title in ("## Cold start", "## The memory model", "## Device weight buffers",
-                  "## Request tiling", "## Throughput and layouts", "## Service", "## GPU"):
+                  "## Request tiling", "## Throughput and layouts", "## Adapters", "## Service",
+                  "## GPU"):
         assert title in text
+    adapters = json.loads((out / "adapters.json").read_text())
+    for p in adapters["dit"]["points"]:  # each row is the JSON's figures
+        assert (f"| {p['tokens']} | {adapters['dit']['lora_flops_share']:.0%} | "
+                f"{p['none_s']:.4f} |") in text
+    assert f"against one: {adapters['replicas']['two_over_one']:.3f}x by wall time" in text
     throughput = json.loads((out / "layouts.json").read_text())["throughput"]
     assert {"dp1", "dp2", "dp2_waves", "dp1_sp2"} <= set(throughput)
     assert f"dp=2 against linear (twice dp=1's jobs per hour, jobs alike): " \
