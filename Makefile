@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: install run test lint bench chaos
+.PHONY: install run test check lint bench chaos
 
 $(BIN)/kiln: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,13 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q --durations=15
+
+# The fast lane, for every change: lint, the import contracts, and the tests that reach no
+# server and start no process (marked unit by tests/conftest.py). `make test` runs them all.
+check: install
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -m unit --durations=10
 
 lint: install
 	$(BIN)/ruff check .

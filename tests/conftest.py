@@ -13,6 +13,12 @@ by ``make chaos``) runs them on SQLite too. Everything else runs on both. The sl
 (marked ``chaos``: each a minute or more of outages, long renders or a benchmark run) run only
 with ``KILN_CHAOS=1``, set by ``make chaos``.
 
+Tests that reach no server and start no process are marked ``unit`` here, at collection:
+``make check`` runs those alone, in a few minutes; ``make test`` runs everything. A test is not a
+unit test when it is marked ``slow``, when it uses a database or Redis fixture (directly or
+through another fixture), or when its module imports what starts a server or a process
+(`_STARTERS`, `_STARTER_CALLS`).
+
 Servers: ``KILN_TEST_POSTGRES_URL`` (default postgresql+psycopg://postgres@127.0.0.1:5432/test)
 and ``KILN_TEST_REDIS_URL`` (default redis://127.0.0.1:6379/0). When one is unreachable its tests
 are skipped, except under CI (``CI`` set), where that is an error.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,9 +77,63 @@ def _postgres_only(item: pytest.Item) -> bool:
             and item.callspec.params.get("db") == "sqlite")
 
 
+# The fixtures that reach PostgreSQL, SQLite's migrated file or Redis; every fixture built on
+# them (api, ctx, ...) has them in its closure.
+_SERVER_FIXTURES = frozenset({"db", "session", "redis_client", "redis_prefix"})
+# Packages whose import means a test module starts servers or processes: the test servers and
+# service (servers), rank sets (multirank), child processes, an ASGI server, a browser, a local
+# S3 server.
+_STARTERS = ("servers", "multirank", "subprocess", "multiprocessing", "torch.multiprocessing",
+             "uvicorn", "selenium", "moto", "http.server")
+# A module that imports Redis's client itself (not just its exception types) talks to Redis,
+# with or without the fixtures (through request.getfixturevalue, say).
+_CLIENTS = ("redis",)
+# What starts rank processes or children when called: launch's rank sets and the renders built
+# on them, and child processes.
+_STARTER_CALLS = frozenset({"run_ranks", "generate_on_ranks", "generate_in_rounds", "render",
+                            "Popen"})
+_STARTER_CALL_MODULES = frozenset({"runtime.launch", "runtime.render", "subprocess"})
+
+
+def _within(module_name: object, packages: tuple[str, ...]) -> bool:
+    return isinstance(module_name, str) and any(
+        module_name == p or module_name.startswith(p + ".") for p in packages)
+
+
+def _starts_things(module: types.ModuleType) -> bool:
+    for name, value in vars(module).items():
+        if isinstance(value, types.ModuleType):
+            if _within(value.__name__, _STARTERS + _CLIENTS):
+                return True
+        else:
+            home = getattr(value, "__module__", None)
+            if _within(home, _STARTERS) or (home in _STARTER_CALL_MODULES
+                                             and name in _STARTER_CALLS):
+                return True
+    return False
+
+
+def _is_unit(item: pytest.Item, starters: dict[str, bool]) -> bool:
+    if item.get_closest_marker("slow") is not None:
+        return False
+    if _SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return False
+    module = getattr(item, "module", None)
+    if module is None:
+        return False
+    if module.__name__ not in starters:
+        starters[module.__name__] = _starts_things(module)
+    return not starters[module.__name__]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Fault scenarios on PostgreSQL only, unless KILN_FAULTS_ON_EVERY_BACKEND is set; the
-    slowest scenarios (marked ``chaos``) only with KILN_CHAOS set."""
+    slowest scenarios (marked ``chaos``) only with KILN_CHAOS set. Tests that reach no server
+    and start no process are marked ``unit``."""
+    starters: dict[str, bool] = {}
+    for item in items:
+        if _is_unit(item, starters):
+            item.add_marker(pytest.mark.unit)
     dropped = [item for item in items if _chaos_only(item) or _postgres_only(item)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
