@@ -26,12 +26,15 @@ are skipped, except under CI (``CI`` set), where that is an error.
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import secrets
+import subprocess
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 import redis
@@ -138,6 +141,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if item not in set(dropped)]
+
+
+# Programs a unit test may not start: Python (a rank, a CLI, a script) and the service's own
+# servers. Short tool calls a library makes (platform's `uname -p`, say) are let through.
+_SERVICE_PROGRAMS = ("python", "kiln", "celery", "redis-server", "postgres", "uvicorn")
+
+
+@pytest.fixture(autouse=True)
+def _unit_starts_no_process(request: pytest.FixtureRequest,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeps the ``unit`` marking honest: a unit test that starts a rank set or one of the
+    service's programs fails, naming where what its module imports belongs."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse() -> NoReturn:
+        raise RuntimeError(f"{request.node.nodeid} is marked unit but starts a process: what "
+                           "its module imports belongs in tests/conftest.py's _STARTERS")
+
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def guarded(popen: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> Any:
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = os.path.basename(os.fsdecode(argv[0]).split()[0]) if argv else ""
+        if program.startswith(_SERVICE_PROGRAMS):
+            refuse()
+        return execute_child(popen, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", guarded)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda self: refuse())
 
 
 @pytest.fixture(scope="session")
