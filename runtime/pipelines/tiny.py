@@ -44,7 +44,6 @@ from runtime.sequence import SequenceParallel
 from runtime.step_cache import StepCache
 from runtime.tiling import map_tiles, plan_tiles
 
-
 #: Video-to-video's strength when a request gives none: diffusers' video-to-video default.
 DEFAULT_STRENGTH = 0.8
 
