@@ -52,7 +52,8 @@ def test_every_route_and_page_carries_the_security_headers(api: Api) -> None:
     api.finish(job_id)
     r = api.client.post("/v1/batches", json={"jobs": [JOB]}, headers=api.auth("alice"))
     batch_id = r.json()["id"]
-    ids = {"job_id": job_id, "batch_id": batch_id, "video_id": job_id, "file_id": "0" * 20}
+    ids = {"job_id": job_id, "batch_id": batch_id, "video_id": job_id, "file_id": "0" * 20,
+           "adapter_id": "0" * 20}
     operations = [(method.upper(), path)
                   for path, ops in api.client.get("/openapi.json").json()["paths"].items()
                   for method in ops]
