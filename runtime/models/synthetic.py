@@ -289,7 +289,7 @@ def _wan_cogvideox_components(spec: SyntheticSpec) -> dict[str, object]:
         experts = [diffusers.WanTransformer3DModel(
             patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=spec.head_dim,
             in_channels=16, out_channels=16, text_dim=spec.text_dim, freq_dim=256,
-            ffn_dim=4 * spec.width, num_layers=spec.num_layers, rope_max_seq_len=32)
+            ffn_dim=4 * spec.width, num_layers=spec.num_layers, rope_max_seq_len=1024)
             for _ in range(spec.num_experts)]
         transformer = experts[0]
         if spec.num_experts == 2:
@@ -349,7 +349,7 @@ def _wan_i2v_components(spec: SyntheticSpec) -> dict[str, object]:
     experts = [diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=spec.head_dim,
         in_channels=36, out_channels=16, text_dim=spec.text_dim, freq_dim=256,
-        ffn_dim=4 * spec.width, num_layers=spec.num_layers, rope_max_seq_len=32,
+        ffn_dim=4 * spec.width, num_layers=spec.num_layers, rope_max_seq_len=1024,
         image_dim=_CLIP_WIDTH if clip else None, added_kv_proj_dim=spec.width if clip else None,
         pos_embed_seq_len=2 * tokens if spec.first_last_frame else None)
         for _ in range(num_experts)]
