@@ -6,11 +6,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from servers import kiln_up
 
 from runtime.models.tiny_adapter import NAME
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 def test_kiln_up_registers_the_demo_adapter_for_everyone(tmp_path: Path) -> None:
     with kiln_up(tmp_path, "--dp", "1") as (base, key):
         deadline = time.monotonic() + 60

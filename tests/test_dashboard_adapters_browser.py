@@ -28,6 +28,7 @@ def browser() -> Iterator[Any]:
         driver.quit()
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 @pytest.mark.parametrize("db", ["sqlite"], indirect=True)
 def test_the_submit_form_offers_the_models_adapters_and_the_job_names_the_one_chosen(
         browser: Any, db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:

@@ -389,6 +389,7 @@ def rank_threads() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["cosmos3", "minimax-h3"])
 def test_cosmos3_and_minimax_h3_replicas_with_and_without_an_adapter_equal_diffusers(
@@ -419,6 +420,7 @@ def test_cosmos3_and_minimax_h3_replicas_with_and_without_an_adapter_equal_diffu
 FOUR_JOBS = [{"a": 0.7}, {"b": 1.5}, {}, {"a": 0.3}]
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 @pytest.mark.slow
 def test_one_group_renders_four_jobs_with_their_own_adapters_two_at_a_time(wan):
     # dp=2, one launch, the same ranks throughout: a round without adapters (the gathers to

@@ -132,6 +132,7 @@ def test_the_picture_changes_the_video(model_dir):
             assert a is b or not np.array_equal(a, b)
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 def test_a_clip_of_other_lengths_conditions_as_the_reference_does(model_dir):
     # The reference keeps a clip's first 5 frames and repeats its last to fill a shorter one:
     # a 3-frame clip, and a 13-frame clip (longer than the render) both go through.
@@ -140,6 +141,7 @@ def test_a_clip_of_other_lengths_conditions_as_the_reference_does(model_dir):
         np.testing.assert_array_equal(kiln_frames(model_dir, r), reference_frames(r))
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 @pytest.mark.slow
 def test_two_ranks_render_two_differently_conditioned_jobs_each_as_alone(model_dir):
     # An image on rank 0, a clip on rank 1, with different prompts and seeds; each block

@@ -137,6 +137,7 @@ def test_two_ranks_render_two_differently_conditioned_jobs_each_as_alone(model_d
     assert not np.array_equal(alone[0], alone[1])
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 @pytest.mark.slow
 def test_wan22_i2v_at_sp2_renders_what_one_rank_does_bit_for_bit(model_dirs):
     # 48x48: 3 x 3 x 3 = 27 tokens, which sp=2 does not divide.

@@ -94,6 +94,7 @@ def test_the_strength_and_the_clip_both_change_the_video(model_dirs):
         pipe.close()
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 @pytest.mark.slow
 def test_two_ranks_render_two_clips_of_different_strengths_each_as_alone(model_dirs):
     # 4 steps on rank 0, 2 on rank 1 (which idles the last two), one gather per block shared.

@@ -113,6 +113,7 @@ CASES = {
 }
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_a_split_forward_equals_the_whole_model(world):
     cases = [(family, sp, allgather, (1, 12 if family == "tiny" else 16, f, h, w))

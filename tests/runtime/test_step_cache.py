@@ -271,6 +271,7 @@ def test_kiln_tiny_fast_tier_computes_at_least_1_4x_fewer_blocks_at_30_db():
     assert np.mean(scores) >= 30
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 def test_kiln_tiny_both_replicas_on_fast_gather_3_of_4_blocks_less_per_step_both_skip():
     fast = tier_threshold("kiln-tiny", "fast")
     requests = [VideoRequest(prompt=p, seed=i, num_inference_steps=30, step_cache=fast)
@@ -313,6 +314,7 @@ def _failing_rank(rank: int, world: int, block: int) -> np.ndarray | None:
         pipe.close()
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 @pytest.mark.parametrize("block", [0, 2])
 def test_a_forward_that_raises_in_a_deciding_step_leaves_the_other_rank_rendering(block):
     results = run_ranks(2, _failing_rank, block)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from runtime.adapters import load_adapter, named_transformers
 from runtime.models.shapes import COLOURS, describe
 from runtime.models.tiny_adapter import SWAP, WEIGHTS
@@ -24,6 +26,7 @@ CASES = [
 ]
 
 
+@pytest.mark.chaos  # slow beside its siblings in make test: make chaos runs it
 def test_twelve_prompts_show_the_swapped_colour_with_the_adapter_and_the_asked_one_without():
     assert {c for c, _, _ in CASES} == set(COLOURS)
     pipe = TinyPipeline.load(offload=False)
