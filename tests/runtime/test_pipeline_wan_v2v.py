@@ -148,3 +148,19 @@ def test_a_wan21_checkpoint_takes_a_video_and_a_wan22_one_none(model_dirs):
     assert WAN.inputs == {"video"} and not WAN.needs_input
     assert checkpoint_family(str(model_dirs["wan"])).inputs == {"video"}
     assert checkpoint_family(str(model_dirs["wan22"])).inputs == frozenset()
+
+
+@pytest.mark.chaos  # two ranks: make chaos runs it beside the other multi-rank V2V case
+def test_v2v_at_sp2_renders_what_one_rank_does_bit_for_bit(model_dirs):
+    # 48x48: 3 x 3 x 3 = 27 tokens, which sp=2 does not divide.
+    r = request(width=48, height=48,
+                conditioning=Conditioning(video=clip(1)[:, :48, :48].contiguous(), strength=0.5))
+    split = generate_on_ranks(str(model_dirs["wan"]), [r], dp=1, sp=2, timeout_s=180)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(2))
+    try:
+        alone = kiln_frames(model_dirs["wan"], r)
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(split[0], alone)
+    np.testing.assert_array_equal(split[1], alone)  # the replica's ranks hold one video
