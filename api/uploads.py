@@ -90,6 +90,12 @@ def store_upload(session: Session, store: OutputStore, owner: User, upload: Uplo
         with open(path, "wb") as out:
             shutil.copyfileobj(upload.file, out)
         store.put(row.storage_key, path)
+    return _commit(session, store, row)
+
+
+def _commit(session: Session, store: OutputStore, row: InputFile) -> InputFile:
+    """Commits the row of an object already stored; a row that cannot be written takes the
+    object with it."""
     try:
         session.add(row)
         session.commit()
@@ -117,11 +123,4 @@ def store_copy(session: Session, store: OutputStore, owner: User, key: str, limi
         row = new_input_file(owner, found, file_id=new_file_id(), purpose="user_data",
                              filename=PurePosixPath(key).name, size_bytes=path.stat().st_size)
         store.put(row.storage_key, path)
-    try:
-        session.add(row)
-        session.commit()
-    except BaseException:
-        session.rollback()
-        store.delete(row.storage_key)
-        raise
-    return row
+    return _commit(session, store, row)

@@ -467,6 +467,22 @@ async def _video_reference(request: Request, settings: Settings, *,
     return form, data, video if video is not None else video_id
 
 
+async def _clip_source(reference: UploadFile | str, session: Session, user: User,
+                       settings: Settings) -> tuple[Job | None, UploadFile | None,
+                                                    media.Media | None, str]:
+    """An edit's or an extension's ``video``: (the completed video of the caller's it names, or
+    None; the upload, checked and a clip, or None; what the upload decoded to; what the
+    request's digest records of it: the video's id, or the upload's sha256)."""
+    if isinstance(reference, UploadFile):
+        found = await uploads.check_upload(reference, settings, param="video")
+        if found.kind != "video":
+            raise Refusal(422, f"video: this is a {found.content_type} image; give a clip",
+                          param="video", code="wrong_kind")
+        return None, reference, found, await run_in_threadpool(_digest, reference)
+    source = await run_in_threadpool(_completed_source, session, user, reference, "video")
+    return source, None, None, reference
+
+
 @router.post("/edits", response_model=VideoPublic, openapi_extra={"requestBody": {
     "required": True, "content": {"multipart/form-data": {"schema": {
         "type": "object", "required": ["prompt", "video"],
@@ -484,18 +500,8 @@ async def edit_video(request: Request, user: CurrentUser, session: SessionDep,
     form, data, reference = await _video_reference(request, settings, fields=("prompt",))
     try:
         prompt = data["prompt"]
-        source, upload, found = None, None, None
-        if isinstance(reference, UploadFile):
-            found = await uploads.check_upload(reference, settings, param="video")
-            if found.kind != "video":
-                raise Refusal(422, f"video: this is a {found.content_type} image; give a clip",
-                              param="video", code="wrong_kind")
-            upload = reference
-            digest = {"edit": await run_in_threadpool(_digest, reference), "prompt": prompt}
-        else:
-            source = await run_in_threadpool(_completed_source, session, user, reference,
-                                             "video")
-            digest = {"edit": reference, "prompt": prompt}
+        source, upload, found, named = await _clip_source(reference, session, user, settings)
+        digest = {"edit": named, "prompt": prompt}
         model = _model_for(settings, "video", source.model if source else None, "video",
                            "edit a video")
         spec = _derived_spec(settings, model, prompt, like=source, param="prompt")
@@ -529,19 +535,8 @@ async def extend_video(request: Request, user: CurrentUser, session: SessionDep,
         if not seconds_text.isdigit() or not 1 <= int(seconds_text) <= 60:
             raise Refusal(422, "seconds: a whole number of seconds from 1 to 60",
                           param="seconds", code="invalid_value")
-        source, upload, found = None, None, None
-        if isinstance(reference, UploadFile):
-            found = await uploads.check_upload(reference, settings, param="video")
-            if found.kind != "video":
-                raise Refusal(422, f"video: this is a {found.content_type} image; give a clip",
-                              param="video", code="wrong_kind")
-            upload = reference
-            digest = {"extend": await run_in_threadpool(_digest, reference)}
-        else:
-            source = await run_in_threadpool(_completed_source, session, user, reference,
-                                             "video")
-            digest = {"extend": reference}
-        digest.update(prompt=prompt, seconds=seconds_text)
+        source, upload, found, named = await _clip_source(reference, session, user, settings)
+        digest = {"extend": named, "prompt": prompt, "seconds": seconds_text}
         model = _model_for(settings, "image", source.model if source else None, "video",
                            "extend a video")
         family = admission.family_for(settings, model)
