@@ -31,6 +31,7 @@ from api.schemas import (
 )
 from common import admission, logs, netguard
 from common.families import GENERIC, family_of
+from common.quality import tier_threshold
 from common.render import RequestDefaults
 from common.settings import Settings
 from scheduler import queue_index
@@ -177,11 +178,17 @@ def spec_from_job_create(body: JobCreate, s: Settings, now: datetime,
         audio=body.audio,
         adapters=([{"id": a.id, "scale": a.scale} for a in body.adapters]
                   if body.adapters else None),
+        quality=body.quality if body.quality not in (None, "exact") else None,
     )
     p = _Problems()
     _check_common(p, s, spec, now)
     check_input(p, s, spec, kind_of)
     check_adapters(p, spec, adapter_model)
+    if spec.quality is not None and spec.model in s.models:
+        try:
+            tier_threshold(admission.family_for(s, spec.model).name, spec.quality)
+        except ValueError as exc:
+            p.add("quality", str(exc))
     if metadata_bytes(spec.metadata) > s.max_metadata_bytes:
         p.add("metadata", f"at most {s.max_metadata_bytes} bytes as JSON")
     p.raise_if_any()
@@ -370,7 +377,7 @@ def job_public(job: Job, *, queue_position: int | None = None,
         fit=job.input_fit, strength=job.strength,  # type: ignore[arg-type]
         video_url=batches.video_url(job), thumbnail_url=batches.thumbnail_url(job),
         has_audio=job.has_audio, adapters=job.adapters,  # type: ignore[arg-type]
-        error=_error(job),
+        quality=job.quality or "exact", error=_error(job),
     )
 
 

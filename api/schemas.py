@@ -156,6 +156,11 @@ class JobCreate(BaseModel):
         max_length=MAX_JOB_ADAPTERS,
         description="LoRA adapters to apply, each with its scale, in this order: registered "
                     "ones (POST /v1/adapters) for this model")] | None = None
+    quality: Literal["exact", "balanced", "fast"] | None = Field(
+        default=None, description="exact (the default) computes every block of every step; "
+                                  "balanced and fast skip the rest of a step's blocks when its "
+                                  "first block's output has hardly changed (a model that has "
+                                  "measured thresholds only: kiln-tiny)")
 
 
 class BatchWindow(BaseModel):
@@ -272,6 +277,7 @@ class JobPublic(BaseModel):
     thumbnail_url: str | None
     adapters: list[JobAdapter] | None = Field(
         default=None, description="the LoRA adapters it applies, with their scales")
+    quality: str = Field(default="exact", description="exact, balanced or fast")
     has_audio: bool | None = Field(
         default=None, description="whether the video has a soundtrack (an AAC stream in the "
                                   "MP4); null until the video is written")

@@ -11,6 +11,7 @@ coordinator's decision, not this module's.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import time
@@ -25,6 +26,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from common.families import family_of
+from common.quality import tier_threshold
 from common.settings import Settings
 from runtime.adapter_cache import AdapterRef
 from runtime.pipelines.base import Conditioning, VideoRequest
@@ -189,6 +192,7 @@ class ServerIO:
                 self.finish(job.id, claim.attempt_token, Ending(
                     outcome="failed", error=str(exc), code="adapter_unavailable"))
                 continue
+            request = dataclasses.replace(request, step_cache=self._step_cache(job))
             claimed = Claimed(replica=replica, job_class=job.class_, model=job.model,
                               tokens=job_tokens(job), attempt=job.attempts,
                               ticket=Ticket(job_id=job.id, attempt_token=claim.attempt_token,
@@ -215,6 +219,17 @@ class ServerIO:
             refs.append(AdapterRef(key=row.storage_key, sha256=row.sha256,
                                    scale=float(item["scale"]), name=row.name))
         return tuple(refs)
+
+    def _step_cache(self, job: Job) -> float | None:
+        """The first-block cache threshold of the job's quality tier (None: exact). A replica
+        of several ranks caches no step (its split forward has no cache), so there the job
+        renders exact, and says so in the log."""
+        if job.quality in (None, "exact"):
+            return None
+        if self.sp > 1:
+            log.info("job %s: quality %s renders exact at sp=%d", job.id, job.quality, self.sp)
+            return None
+        return tier_threshold(family_of(job.model).name, job.quality)
 
     def _conditioning(self, job: Job) -> Conditioning | None:
         """The pixels ``job`` starts from, fitted to its size (None: text only); `Rejected`

@@ -92,6 +92,7 @@ class JobSpec(RenderFields):
     audio: bool | None = None
     # LoRA adapters, [{"id", "scale"}] in the order given (checked at the door); None: none.
     adapters: list[dict[str, Any]] | None = None
+    quality: str | None = None  # `common.quality`; None: exact
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +285,7 @@ def new_job_row(owner_id: int, spec: JobSpec, *, request_hash: str,
         strength=spec.strength,
         audio=spec.audio,
         adapters=[dict(a) for a in spec.adapters] if spec.adapters else None,
+        quality=spec.quality,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
         state=JobState.QUEUED.value,

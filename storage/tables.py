@@ -277,6 +277,8 @@ class Job(Base):
     # LoRA adapters (`LoraAdapter`) the render applies: [{"id", "scale"}], in the order given;
     # None: none. Checked at the door; one deleted before the job runs fails it when claimed.
     adapters: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    # The quality tier (`common.quality`): "exact", "balanced", "fast"; None: exact.
+    quality: Mapped[str | None] = mapped_column(String(8))
 
 
 class WorkerGroup(Base):

@@ -218,3 +218,11 @@ def test_submit_with_an_image_uploads_it_and_the_job_names_it(service: Service,
     Image.new("RGB", (40, 24)).save(clip)
     refused = service.kiln("submit", "p", "--video", str(clip))
     assert refused.exit_code == 1 and "video" in refused.stderr, refused.output
+
+
+def test_submit_with_a_quality_tier_stores_it(service: Service) -> None:
+    result = service.kiln("submit", "a red circle", "--quality", "fast")
+    assert result.exit_code == 0, result.output
+    with service.db.session() as s:
+        assert s.scalars(select(Job).where(Job.id == result.stdout.strip())).one().quality \
+            == "fast"

@@ -179,6 +179,9 @@ def submit(
     = None,
     strength: Annotated[float | None, typer.Option(
         help="Video-to-video: how far the render moves from --video (1: pure noise).")] = None,
+    quality: Annotated[str | None, typer.Option(
+        help="exact (default), balanced or fast: fast skips blocks of steps that change "
+             "little.")] = None,
     adapter: Annotated[list[str] | None, typer.Option(
         help="A LoRA adapter to apply, NAME[:SCALE] (scale 1 if left out): one of yours or a "
              "shared one (kiln adapters list). Repeatable.", show_default=False)] = None,
@@ -198,7 +201,7 @@ def submit(
         body["width"], body["height"] = _size(size)
     for name, value in (("num_frames", frames), ("num_inference_steps", steps), ("seed", seed),
                         ("model", model), ("fps", fps), ("webhook_url", webhook),
-                        ("fit", fit), ("strength", strength)):
+                        ("fit", fit), ("strength", strength), ("quality", quality)):
         if value is not None:
             body[name] = value
     with Client(api, key) as client:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from api.jobs import spec_from_job_create, spec_from_video_create
 from api.schemas import JobCreate, VideoCreate
@@ -271,3 +272,15 @@ def test_minimax_h3_is_held_to_its_own_clip_rule_from_5_to_15_seconds(tmp_path: 
     for seconds, frames in (("5", 124), ("10", 243)):
         spec = _video(s, model=model, size="1344x768", seconds=seconds, fps=24)
         assert isinstance(spec, JobSpec) and spec.num_frames == frames, spec
+
+
+def test_a_quality_tier_is_held_to_what_the_model_measured() -> None:
+    s = _settings(models=["kiln-tiny", "kiln-big"])
+    fast = _job(s, quality="fast")
+    assert isinstance(fast, JobSpec) and fast.quality == "fast"
+    assert _job(s, quality="exact").quality is None  # exact is the default, stored as none
+    refused = _job(s, model="kiln-big", quality="balanced")
+    assert refused == [{"field": "quality", "msg": "generic renders at quality exact only (no "
+                        "measured step cache thresholds), not balanced"}]
+    with pytest.raises(ValidationError):  # the schema's 422 names the three tiers
+        JobCreate(**OK_BODY, quality="fastest")

@@ -107,3 +107,26 @@ def test_a_clip_shorter_than_the_job_holds_its_last_frame_to_the_jobs_length(
     assert tuple(clip.shape) == (9, 64, 64, 3)  # the job's 9 frames from a 5-frame clip
     assert all(bool((clip[i] == clip[4]).all()) for i in range(5, 9))
     assert not bool((clip[3] == clip[4]).all())
+
+
+def test_a_jobs_quality_tier_reaches_the_rank_as_its_step_cache_threshold(
+        db, session: Session, redis_client: redis.Redis, redis_prefix: str,  # noqa: ANN001
+        tmp_path: Path) -> None:
+    settings = Settings(_env_file=None, database_url=db.url, redis_url=REDIS_URL,  # type: ignore[call-arg]
+                        redis_prefix=redis_prefix, output_dir=tmp_path / "outputs")
+    owner = get_or_create_user(session, "alice")
+    jobs = []
+    for quality in ("fast", "balanced", None):
+        spec = JobSpec(model="kiln-tiny", prompt="a red circle", width=64, height=64,
+                       num_frames=9, fps=8, num_inference_steps=4, guidance_scale=5.0, seed=1,
+                       quality=quality)
+        jobs.append(submission.create_job(session, owner, spec, request_hash=str(quality)).job)
+    queue_index.add(redis_client, redis_prefix, jobs)
+    group = ServerIO(settings, group_id="g1", model="kiln-tiny", sp=1,
+                     notify=lambda s, j: None, send_event=lambda *a: None)
+    try:
+        claimed = group.claim([0, 1, 2], [], prefer="interactive", job_class=None)
+    finally:
+        group.close()
+    by_job = {c.ticket.job_id: c.ticket.request.step_cache for c in claimed}
+    assert [by_job[j.id] for j in jobs] == [0.2, 0.1, None]

@@ -1,0 +1,26 @@
+"""jobs: the quality tier a render asked for (exact, balanced, fast: step caching)
+
+Revision ID: 0014
+Revises: 0013
+Create Date: 2026-12-08
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0014"
+down_revision: str | None = "0013"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("jobs") as batch:
+        batch.add_column(sa.Column("quality", sa.String(length=8), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("jobs") as batch:
+        batch.drop_column("quality")
