@@ -119,7 +119,7 @@ def check_input(p: _Problems, s: Settings, spec: JobSpec, kind_of: InputKinds, *
         if kind is None:
             p.add(field, "file not found: give the id of an upload of yours (POST /v1/files)")
             return
-    able = [m for m in s.models if kind in admission.family_for(s, m).inputs] if kind else []
+    able = admission.models_taking(s, kind) if kind else []
     p.extend(admission.input_problems(admission.family_for(s, spec.model), kind, field=field,
                                       fit=spec.input_fit, strength=spec.strength, able=able))
 

@@ -27,8 +27,8 @@ from common.render import RenderFields
 from common.settings import Settings
 
 __all__ = ["Problem", "Refused", "a", "family_for", "frame_bounds", "frame_stride",
-           "input_problems", "model_problems", "nearest", "raise_if_any", "request_problems",
-           "size_multiple"]
+           "input_problems", "model_problems", "models_taking", "nearest", "raise_if_any",
+           "request_problems", "size_multiple"]
 
 #: How an input is fitted to the job's size (`storage.media.fit`).
 FIT_MODES = ("crop", "pad", "stretch")
@@ -64,6 +64,11 @@ def family_for(s: Settings, model: str) -> Family:
     (`common.families.checkpoint_family`, what its pipeline checks when the job starts);
     `GENERIC` for a model this deployment does not serve, which is never looked up on disk."""
     return checkpoint_family(model) if model in s.models else GENERIC
+
+
+def models_taking(s: Settings, kind: str) -> list[str]:
+    """The models of this deployment whose family conditions a render on a ``kind`` input."""
+    return [m for m in s.models if kind in family_for(s, m).inputs]
 
 
 def size_multiple(s: Settings | None, family: Family) -> int:

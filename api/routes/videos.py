@@ -158,7 +158,7 @@ def _refuse_unconditioned(settings: Settings, model: str, kind: str | None) -> N
         return
     if kind in family.inputs:
         return
-    able = [m for m in settings.models if kind in admission.family_for(settings, m).inputs]
+    able = admission.models_taking(settings, kind)
     hint = (f"models that take one: {', '.join(able)}" if able
             else "no model of this deployment takes one")
     raise Refusal(400, f"input_reference: model {model!r} cannot take "
@@ -320,15 +320,11 @@ class VideoRemix(BaseModel):
     prompt: PromptText
 
 
-def _able(settings: Settings, kind: str) -> list[str]:
-    return [m for m in settings.models if kind in admission.family_for(settings, m).inputs]
-
-
 def _model_for(settings: Settings, kind: str, preferred: str | None, param: str,
                what: str) -> str:
     """The model that serves a ``what`` (it takes a ``kind`` input): ``preferred`` when it can,
     else this deployment's first that can; the OpenAI-shaped 400 when none can."""
-    able = _able(settings, kind)
+    able = admission.models_taking(settings, kind)
     if preferred in able:
         return preferred  # type: ignore[return-value]
     if able:
@@ -483,13 +479,18 @@ async def _clip_source(reference: UploadFile | str, session: Session, user: User
     return source, None, None, reference
 
 
-@router.post("/edits", response_model=VideoPublic, openapi_extra={"requestBody": {
-    "required": True, "content": {"multipart/form-data": {"schema": {
-        "type": "object", "required": ["prompt", "video"],
-        "properties": {"prompt": {"type": "string"},
-                       "video": {"type": "string", "format": "binary",
-                                 "description": "an MP4 or WebM clip; or video[id], the id "
-                                                "of a completed video"}}}}}}},
+def _clip_body(**fields: dict[str, str]) -> dict[str, Any]:
+    """The OpenAPI request body of an edit or an extension: a prompt, ``fields``, and the
+    ``video`` (a clip, or ``video[id]``)."""
+    properties = {"prompt": {"type": "string"}, **fields,
+                  "video": {"type": "string", "format": "binary",
+                            "description": "an MP4 or WebM clip; or video[id], the id of a "
+                                           "completed video"}}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": list(properties), "properties": properties}}}}}
+
+
+@router.post("/edits", response_model=VideoPublic, openapi_extra=_clip_body(),
              responses={400: {"description": "No model of this deployment can edit"}})
 async def edit_video(request: Request, user: CurrentUser, session: SessionDep,
                      redis: RedisDep, settings: SettingsDep, store: StoreDep,
@@ -513,14 +514,9 @@ async def edit_video(request: Request, user: CurrentUser, session: SessionDep,
         await form.close()
 
 
-@router.post("/extensions", response_model=VideoPublic, openapi_extra={"requestBody": {
-    "required": True, "content": {"multipart/form-data": {"schema": {
-        "type": "object", "required": ["prompt", "seconds", "video"],
-        "properties": {"prompt": {"type": "string"},
-                       "seconds": {"type": "string", "description": "of the new part"},
-                       "video": {"type": "string", "format": "binary",
-                                 "description": "an MP4 or WebM clip; or video[id], the id "
-                                                "of a completed video"}}}}}}},
+@router.post("/extensions", response_model=VideoPublic,
+             openapi_extra=_clip_body(seconds={"type": "string",
+                                               "description": "of the new part"}),
              responses={400: {"description": "No model of this deployment can extend"}})
 async def extend_video(request: Request, user: CurrentUser, session: SessionDep,
                        redis: RedisDep, settings: SettingsDep, store: StoreDep,
