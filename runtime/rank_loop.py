@@ -579,8 +579,11 @@ class RankLoop:
                                         "job is kept and tried again, not rendered again",
                                         self.rank, job_id, exc)
                         self.store_error = _one_line(exc)
-                    self._writes.wait_for(lambda h=held: self._closing or h not in self._held,
-                                          timeout=delay)
+
+                    def settled(h: _Held = held) -> bool:
+                        return self._closing or h not in self._held
+
+                    self._writes.wait_for(settled, timeout=delay)
                 continue
             except Exception as exc:  # these frames cannot be written: the job fails
                 log.error("rank %d: writing outputs of job %s failed", self.rank, job_id,
@@ -629,7 +632,9 @@ class RankLoop:
         """The preview thread: stores the newest preview and deletes those of ended jobs
         (after any of theirs it was storing; on the way out, only that); a store that refuses
         either is logged (the first of a run of refused previews) and not retried."""
-        put, drop = self.write.preview, self.write.drop_preview  # type: ignore[attr-defined]
+        # Both are there: __init__ starts this thread only when ``write`` has them.
+        put = self.write.preview  # type: ignore[attr-defined]  # checked by hasattr
+        drop = self.write.drop_preview  # type: ignore[attr-defined]  # checked by hasattr
         closing = refused = False
         while not closing:
             with self._writes:
