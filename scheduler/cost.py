@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from common.families import tokens
 
@@ -111,7 +112,7 @@ class CostModel:
         return {m: asdict(f) for m, f in self._fits.items()}
 
     @classmethod
-    def from_state(cls, state: dict[str, dict[str, float]], **kwargs: float) -> CostModel:
+    def from_state(cls, state: dict[str, dict[str, float]], **kwargs: Any) -> CostModel:
         """The model a `to_state` stored; ``kwargs`` are the fields (``sp``: the layout read)."""
         model = cls(**kwargs)
         model._fits = {m: _Fit(**{k: float(v) for k, v in f.items()}) for m, f in state.items()}

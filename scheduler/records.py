@@ -22,6 +22,7 @@ database rather than misread.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any, Self
@@ -70,10 +71,13 @@ class _Record:
         return value
 
 
-@cache
-def field_names(record: type) -> tuple[str, ...]:
+def _field_names(record: type) -> tuple[str, ...]:
     """A record's field names, as stored and as the Lua scripts read them."""
     return tuple(f.name for f in fields(record))
+
+
+# Typed as a plain callable: mypy takes a class passed to cache's wrapper for unhashable.
+field_names: Callable[[type], tuple[str, ...]] = cache(_field_names)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
