@@ -112,8 +112,10 @@ def _size_problems(problems: list[Problem], s: Settings | None, family: Family, 
     multiple = size_multiple(s, family)
     low = s.min_size if s is not None else multiple
     ok = True
-    for field, name, value, bound in ((size_fields[0], "width", width, s and s.max_width),
-                                      (size_fields[1], "height", height, s and s.max_height)):
+    max_width = s.max_width if s is not None else None
+    max_height = s.max_height if s is not None else None
+    for field, name, value, bound in ((size_fields[0], "width", width, max_width),
+                                      (size_fields[1], "height", height, max_height)):
         which = "" if field == name else f"{name} "  # the OpenAI body's one ``size`` field
         if value < low or (bound is not None and value > bound):
             within = f"between {low} and {bound}" if bound is not None else f"at least {low}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import ColumnElement, delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from storage.outputs import adapter_key
@@ -26,7 +26,7 @@ def new_adapter(owner: User | None, *, name: str, model: str, family: str, rank:
                        sha256=sha256, storage_key=adapter_key(sha256))
 
 
-def _visible(user: User) -> object:
+def _visible(user: User) -> ColumnElement[bool]:
     return or_(LoraAdapter.owner_id == user.id, LoraAdapter.owner_id.is_(None))
 
 

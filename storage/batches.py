@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import and_, func, insert, or_, select, true, update
 from sqlalchemy.orm import Session
@@ -176,9 +176,9 @@ def summaries(session: Session, batch_ids: Sequence[str]) -> dict[str, Summary]:
         .group_by(Job.batch_id, Job.state)
     )
     for batch_id, state, count, started, finished, num_ran, render_seconds in rows:
-        s = out[batch_id]
+        s = out[cast(str, batch_id)]  # one of batch_ids: the WHERE
         s.counts[state] = int(count)
-        s.total_render_seconds += float(render_seconds)
+        s.total_render_seconds += float(cast(float, render_seconds))  # coalesced to 0.0
         if started is not None and (s.started_at is None or started < s.started_at):
             s.started_at = started
         if state in _TERMINAL:
@@ -195,6 +195,7 @@ def summaries(session: Session, batch_ids: Sequence[str]) -> dict[str, Summary]:
     )
     partial: dict[str, float] = {}
     for batch_id, step, total in running:
+        batch_id = cast(str, batch_id)  # one of batch_ids: the WHERE
         partial[batch_id] = partial.get(batch_id, 0.0) + (min(step, total) / total if total
                                                           else 0.0)
     for batch_id, s in out.items():

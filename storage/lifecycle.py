@@ -46,9 +46,9 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, insert, literal, or_, select, update
+from sqlalchemy import Table, bindparam, insert, literal, or_, select, update
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.orm import Session, make_transient_to_detached
 from sqlalchemy.orm.attributes import set_committed_value
@@ -111,7 +111,8 @@ def _claim_statements() -> tuple[Any, Any, Any]:
     prebuilt statement with bound parameters (and on PostgreSQL one round trip for the UPDATE
     and its event) instead of building an ORM UPDATE and INSERT per call.
     """
-    jobs_table, events_table = Job.__table__, JobEvent.__table__
+    jobs_table = cast(Table, Job.__table__)  # declarative types it as any FROM clause
+    events_table = cast(Table, JobEvent.__table__)
     now = bindparam("claim_now", type_=jobs_table.c.started_at.type)
     claim = (
         update(jobs_table)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, cast
 
 import av
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -104,7 +104,7 @@ def claimed_kind(filename: str | None, content_type: str | None) -> Kind | None:
     if kind is not None:
         return kind
     major = (content_type or "").split("/")[0].strip().lower()
-    return major if major in ("image", "video") else None  # type: ignore[return-value]
+    return cast(Kind, major) if major in ("image", "video") else None
 
 
 def check(file: BinaryIO, limits: Limits, *, filename: str | None = None,
@@ -155,8 +155,7 @@ def open_image(file: BinaryIO, limits: Limits,
                   measures="the image is")
     try:
         image.load()  # Pillow refuses a truncated file here (LOAD_TRUNCATED_IMAGES is off)
-        image = ImageOps.exif_transpose(image)
-        return image.convert("RGB")
+        return ImageOps.exif_transpose(image).convert("RGB")
     except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as exc:
         raise Rejected("undecodable", f"the image does not decode: {exc}") from exc
 

@@ -14,9 +14,9 @@ import secrets
 import string
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Integer, bindparam, func, insert, literal, select
+from sqlalchemy import Integer, Table, bindparam, func, insert, literal, select
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.orm import Session, make_transient_to_detached
 from sqlalchemy.orm.attributes import set_committed_value
@@ -173,6 +173,11 @@ def _insert_created(session: Session, job: Job, now: datetime,
     return queued if max_queued is not None else None
 
 
+def _tables() -> tuple[Table, Table]:
+    """The jobs and job events tables (declarative types them as any FROM clause)."""
+    return cast(Table, Job.__table__), cast(Table, JobEvent.__table__)
+
+
 def _event_values() -> dict[str, Any]:
     events = JobEvent.__table__
     return {"at": bindparam("event_at", type_=events.c.at.type),
@@ -187,7 +192,7 @@ def _submit_statement(*, check_room: bool) -> Any:
     (0 without ``check_room``), and 1 if the job and its event were inserted (with
     ``check_room``, only when that count is under the limit), else 0. Built once, so each submit
     only binds its values."""
-    jobs_table, events_table = Job.__table__, JobEvent.__table__
+    jobs_table, events_table = _tables()
     # Parameter names must differ from the column names, which insert() reserves.
     room = select(func.count().label("queued")).select_from(
         select(jobs_table.c.id)
@@ -218,7 +223,7 @@ def _submit_statement(*, check_room: bool) -> Any:
 @functools.cache
 def _created_statements() -> tuple[Any, Any]:
     """SQLite: (the job, its event), built once so that each submit only binds its values."""
-    jobs_table, events_table = Job.__table__, JobEvent.__table__
+    jobs_table, events_table = _tables()
     add_job = insert(jobs_table).values({c: bindparam(f"new_{c.key}", type_=c.type)
                                          for c in jobs_table.c})
     add_event = insert(events_table).values(job_id=bindparam("new_id"), **_event_values())

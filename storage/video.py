@@ -18,7 +18,7 @@ import tempfile
 import threading
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import av
 import numpy as np
@@ -69,7 +69,7 @@ def to_uint8(frames: object) -> np.ndarray:
         raise ValueError(f"frames must be [N, H, W, 3], got shape {list(arr.shape)}")
     if arr.dtype == np.uint8:
         return arr
-    return float_to_uint8(arr)  # type: ignore[no-any-return]
+    return float_to_uint8(arr)
 
 
 @functools.cache
@@ -173,7 +173,8 @@ def _encode_audio(container: Any, track: Any, sound: np.ndarray, start: int, end
 
 def write_thumbnail(frame: object, path: str | os.PathLike[str]) -> Path:
     """One [H, W, 3] frame as a PNG at ``path``."""
-    rgb = to_uint8(np.asarray(frame)[None] if not hasattr(frame, "detach") else frame[None])[0]
+    rgb = to_uint8(np.asarray(frame)[None] if not hasattr(frame, "detach")
+                   else cast(Any, frame)[None])[0]  # a torch tensor
     path = Path(path)
     with atomic_path(path) as tmp:
         Image.fromarray(rgb).save(tmp, format="PNG")
@@ -305,9 +306,10 @@ def read_audio(path: str | os.PathLike[str]) -> Soundtrack:
         chunks, end = [], 0
         for packet in container.demux(stream):
             if packet.pts is not None:
-                end = max(end, packet.pts + packet.duration)
+                # An MP4's packets carry their duration (its sample table's).
+                end = max(end, packet.pts + cast(int, packet.duration))
             chunks += [f.to_ndarray() for f in stream.decode(packet)]
         rate = stream.codec_context.sample_rate
-        length = round(end * stream.time_base * rate)
+        length = round(end * cast(Fraction, stream.time_base) * rate)  # a demuxed stream's
     samples = np.concatenate(chunks, axis=1).astype(np.float32)
     return Soundtrack(samples[:, :length], rate)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, get_args
 
-from sqlalchemy import and_, exists, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, and_, exists, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -186,7 +186,7 @@ def has_webhook(session: Session, job_ids: list[str]) -> list[str]:
 
 def _all_jobs_ended(ended_by: datetime | None = None) -> Any:
     """No job of the batch is unfinished (or, with ``ended_by``, ended after it)."""
-    left = Job.state.not_in(_TERMINAL)
+    left: ColumnElement[bool] = Job.state.not_in(_TERMINAL)
     if ended_by is not None:
         left = or_(left, Job.finished_at > ended_by)
     return ~exists().where(Job.batch_id == Batch.id, left)
