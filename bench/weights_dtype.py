@@ -11,7 +11,7 @@ streamed (``--device-budget none``), once per weights dtype (``checkpoint``, ``b
   from the checkpoint, in its dtype whatever ``weights_dtype``), the tiny text encoder and VAE,
   a job's state and what the allocator keeps of the forward's activations; and on the CPU,
   where the device is host memory, the engine's device buffers too (two slots and the compute
-  buffer a cast block is upcast into);
+  buffer a cast layer is upcast into);
 - ``device_buffer_bytes``: those device buffers, summed over the ranks (``DLOHandle.stats``),
   and ``host_bytes_less_device_buffers``: what the group would hold in host memory were they on
   an accelerator;

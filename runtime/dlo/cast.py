@@ -25,7 +25,8 @@ block's stored buffer (``stored_layout``), so one copy and one gather still move
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -122,6 +123,17 @@ def upcast_plan(lay: BlockLayout, stored: BlockLayout, *,
             plan.append(Upcast(e, s, scales.get(e.name + SCALE_SUFFIX), offset))
             offset = _round_up(offset + e.nbytes, ALIGN_BYTES)
     return tuple(plan), (lay.padded_bytes if whole else offset)
+
+
+def packed(plan: Sequence[Upcast], base: int = 0) -> tuple[tuple[Upcast, ...], int]:
+    """``plan``'s tensors packed anew from byte ``base`` of the compute buffer (each on a
+    64-byte boundary), and the offset where they end."""
+    out = []
+    offset = base
+    for u in plan:
+        out.append(replace(u, offset=offset))
+        offset = _round_up(offset + u.entry.nbytes, ALIGN_BYTES)
+    return tuple(out), offset
 
 
 def upcast(plan: tuple[Upcast, ...], src: torch.Tensor, dst: torch.Tensor) -> None:

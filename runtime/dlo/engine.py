@@ -32,18 +32,23 @@ Stored dtype: with ``weights_dtype="bf16"`` or ``"fp8"`` (``runtime.dlo.cast``) 
 cast once, while the host copy is built, and the host shards, the slots and every copy and
 gather hold it in that dtype: half or a quarter of fp32's bytes. A cast block streams from a host
 copy even in rank-local mode (the rank's own copy of every streamed block, since the checkpoint
-holds them uncast), and never binds to the checkpoint's mapping. Just before its forward the
-block's cast tensors are upcast from its slot into one compute-dtype buffer that both slots
-share, on the compute stream; its parameters are views into that buffer (the cast tensors) and
-into the slot (the others, used as they arrived). One buffer, not one per slot: device memory
-for streamed blocks is then 2 x stored + 1 x the cast tensors in the compute dtype, no more than
-the two compute-dtype slots without a cast whenever a block shrinks to half or less (a buffer
-per slot would add a whole block more: 1.5x for a bf16 block stored in fp8), and the upcast is
-a single element-wise pass over the block, memory-bound, next to a forward whose matmuls read
-the same weights once per token tile. On the CPU an overlap would not help anyway (the transfer
-thread runs on the cores the forward needs); medians on one thread: a 4096 x 4096 fp32 weight
-upcasts from bf16 in 34 ms (a plain fp32 copy of it: 37 ms) and from fp8 with its scales in
-290 ms, against 1.9 s for one matmul of 2,048 tokens with it.
+holds them uncast), and never binds to the checkpoint's mapping. Its cast tensors are upcast
+from the slot into one compute-dtype buffer that both slots share, on the compute stream, as
+late as they can be: a leaf layer's own (a Linear's weight and bias, a norm's: nearly all the
+bytes) just before that layer runs, into a region every layer shares, and bound only for that
+layer's forward; the rest (the block's own tensors, such as a modulation table, and those of
+modules with submodules, which any part of the block may read) when the block is bound. The
+other tensors are used from the slot as they arrived. Device memory for streamed blocks is then
+2 x stored + the largest layer in the compute dtype: the buffer holds one layer, not one block
+(a Wan block of width 1024: 16 MB for its largest fp32 layer, 4096 x 1024, against 64 MB
+for the block), so the cast shrinks the slots without a block-sized buffer coming back beside
+them; on the CPU, where the device is host memory, that is what lets bf16 and fp8 shrink a
+group's host memory by their ratio. The upcast
+is one element-wise pass over the block, memory-bound, next to a forward whose matmuls read the
+same weights once per token tile; split by layer, it is the same bytes. On the CPU an overlap
+would not help anyway (the transfer thread runs on the cores the forward needs); medians on one
+thread: a 4096 x 4096 fp32 weight upcasts from bf16 in 34 ms (a plain fp32 copy of it: 37 ms)
+and from fp8 with its scales in 290 ms, against 1.9 s for one matmul of 2,048 tokens with it.
 A rank sitting a step out (``idle_forward``) gathers without upcasting. Resident blocks are
 upcast once, at set-up, into buffers of their own, so a block computes from the same values
 wherever it sits. ``checkpoint`` (the default) casts nothing: no compute buffer, no upcast,
@@ -60,6 +65,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from typing import cast as typed
 
 import torch
 import torch.distributed as dist
@@ -69,9 +75,11 @@ from torch.utils.hooks import RemovableHandle
 from runtime.dlo import hostmem
 from runtime.dlo.cast import (
     SCALE_SUFFIX,
+    Upcast,
     cast,
     check_weights_dtype,
     fp8_scale,
+    packed,
     stored_layout,
     upcast,
     upcast_plan,
@@ -120,11 +128,11 @@ def find_block_lists(model: nn.Module) -> list[str]:
 
 def _resolve_block_lists(
     model: nn.Module, blocks: Sequence[str] | None
-) -> list[tuple[str, nn.Module]]:
+) -> list[tuple[str, nn.ModuleList | nn.Sequential]]:
     paths = find_block_lists(model) if blocks is None else list(blocks)
     if isinstance(blocks, str):
         raise ValueError(f"blocks must be a list of dotted paths, got the string {blocks!r}")
-    out = []
+    out: list[tuple[str, nn.ModuleList | nn.Sequential]] = []
     for path in paths:
         try:
             mod = model.get_submodule(path)
@@ -242,14 +250,39 @@ class DLOHandle:
         self._streamed = layouts[resident_blocks:]
         self._max_streamed_bytes = max((st.padded_bytes for st in self._stored[resident_blocks:]),
                                        default=0)
-        # Per streamed cast block: its cast tensors, upcast into the compute buffer (the others
-        # are used from the slot as they arrived); the buffer fits the largest such set.
-        self._upcasts: dict[int, tuple[Any, ...]] = {}
-        self._compute_bytes = 0
+        # Per streamed cast block, its cast tensors are upcast into the compute buffer (the
+        # others are used from the slot as they arrived), in two parts. A leaf layer's own (a
+        # Linear's, a norm's: most of the bytes) just before that layer runs, into a region
+        # every layer shares (``_make_layer_hooks``); the rest (the block's own tensors, those
+        # of modules with submodules, which any part of the block's forward may read) when the
+        # block is bound, into the region before it. The buffer fits the largest rest and the
+        # largest layer: a layer, not a block, in the compute dtype.
+        self._upcasts: dict[int, tuple[Upcast, ...]] = {}
+        self._layer_names: set[str] = set()  # the cast tensors upcast per layer
+        layer_parts: list[tuple[int, nn.Module, tuple[Upcast, ...]]] = []
+        rest_bytes = 0
         for lay, st in zip(self._streamed, self._stored[resident_blocks:], strict=True):
-            if st is not lay:
-                self._upcasts[lay.index], size = upcast_plan(lay, st)
-                self._compute_bytes = max(self._compute_bytes, size)
+            if st is lay:
+                continue
+            block = block_modules[lay.index]
+            by_layer: dict[nn.Module, list[Upcast]] = {}
+            rest: list[Upcast] = []
+            for u in upcast_plan(lay, st)[0]:
+                owner = u.entry.module
+                if owner is not block and next(owner.children(), None) is None:
+                    by_layer.setdefault(owner, []).append(u)
+                    self._layer_names.add(u.entry.name)
+                else:
+                    rest.append(u)
+            self._upcasts[lay.index], size = packed(rest)
+            rest_bytes = max(rest_bytes, size)
+            layer_parts.extend((lay.index, owner, tuple(ups)) for owner, ups in by_layer.items())
+        self._compute_bytes = rest_bytes
+        self._layer_upcasts: list[tuple[int, nn.Module, tuple[Upcast, ...]]] = []
+        for index, owner, ups in layer_parts:
+            plan, end = packed(ups, base=rest_bytes)
+            self._layer_upcasts.append((index, owner, plan))
+            self._compute_bytes = max(self._compute_bytes, end)
         # A cast block streams from a host copy in its stored dtype: this rank's shards in
         # allgather mode, the whole blocks in rank-local mode (the source holds them uncast).
         self._host_copy = config.use_allgather or any(self._casts)
@@ -318,6 +351,8 @@ class DLOHandle:
             self._unbind(lay)
             self._hooks.append(mod.register_forward_pre_hook(self._make_pre_hook(lay.index)))
             self._hooks.append(mod.register_forward_hook(self._make_post_hook(lay.index)))
+        for index, owner, plan in self._layer_upcasts:
+            self._hooks.extend(self._make_layer_hooks(index, owner, plan))
         if self._streamed:
             self._prefetch(self._streamed[0].index, slot=0)
 
@@ -346,8 +381,11 @@ class DLOHandle:
         for lay, st in zip(self._layouts, self._stored, strict=True):
             lo, hi = st.shard_range(index)
             if lay.index < k:
-                full = (self._resident_bufs[lay.index] if st is lay
-                        else cast_buf[: st.padded_bytes])  # type: ignore[index]
+                if st is lay:
+                    full = self._resident_bufs[lay.index]
+                else:
+                    assert cast_buf is not None  # a cast resident block: cast_sizes has its size
+                    full = cast_buf[: st.padded_bytes]
                 shard = full[lo:hi]
             else:
                 assert slab is not None
@@ -563,7 +601,11 @@ class DLOHandle:
                                           strict=False)}
                 places.update({u.entry.name: (self._compute_buf, u.offset)
                                for u in self._upcasts[index]})
-                self._views[key] = {e.name: _view(e, *places[e.name]) for e in lay.entries}
+                # A layer's cast tensors are bound by its own hooks, only while it runs.
+                self._views[key] = {e.name: (self._placeholders[e.name]
+                                             if e.name in self._layer_names
+                                             else _view(e, *places[e.name]))
+                                    for e in lay.entries}
         return self._views[key]
 
     def _bind(self, index: int, slot: int) -> None:
@@ -601,6 +643,33 @@ class DLOHandle:
             self._release(index, slot)
 
         return post_hook
+
+    def _make_layer_hooks(self, index: int, layer: nn.Module,
+                          plan: tuple[Upcast, ...]) -> list[RemovableHandle]:
+        """Hooks that upcast ``layer``'s cast tensors (of block ``index``) from the bound slot
+        into their region of the compute buffer just before the layer runs, and bind them only
+        for its forward: a read of them anywhere else finds a meta tensor and fails, rather
+        than reading another layer's values."""
+        buf = self._compute_buf
+        assert buf is not None
+        views = [_view(u.entry, buf, u.offset) for u in plan]
+
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            bound = self._bound
+            if bound is None or bound[0] != index:
+                raise RuntimeError(f"{plan[0].entry.name} ran outside its block's forward, "
+                                   "where its weights are not bound")
+            # On the compute stream, after the layer before it (which read this region).
+            upcast(plan, self._slots[bound[1]], buf)
+            for u, view in zip(plan, views, strict=True):
+                _set_tensor(u.entry, view)
+
+        def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+            for u in plan:
+                _set_tensor(u.entry, self._placeholders[u.entry.name])
+
+        return [layer.register_forward_pre_hook(pre_hook),
+                layer.register_forward_hook(post_hook)]
 
     # ---- public -------------------------------------------------------------------------
 
@@ -825,7 +894,7 @@ def _view(e: Entry, buf: torch.Tensor, offset: int) -> torch.Tensor:
 
 def _set_tensor(e: Entry, t: torch.Tensor) -> None:
     if e.is_param:
-        e.module._parameters[e.attr] = t  # type: ignore[assignment]
+        e.module._parameters[e.attr] = typed(nn.Parameter, t)  # _view and _placeholder make one
     else:
         e.module._buffers[e.attr] = t
 
@@ -1041,7 +1110,7 @@ def apply_dlo(
 
 def _current(e: Entry) -> torch.Tensor:
     table = e.module._parameters if e.is_param else e.module._buffers
-    return table[e.attr]  # type: ignore[return-value]
+    return typed(torch.Tensor, table[e.attr])  # build_layout found it set
 
 
 def _place_resident(model: nn.Module, device: torch.device, ckpt: Checkpoint | None,
