@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,21 +194,29 @@ def run(tokens: list[int], width: int, blocks: int, reps: int, passes: int) -> d
                               "threads_per_rank": max(1, (os.cpu_count() or 2) // 2),
                               "reps": reps, "passes": passes, "points": []}
     for n in tokens:
-        best: dict[str, float] = {}
-        ratios: dict[str, float] = {}
-        for p in range(passes):
-            # The ranks step together: a pass's figure is its slowest rank's.
-            pass_s = {name: max(r[f"{n}/{p}/{name}"] for r in per_rank) for name in MODES}
-            for name in MODES:
-                if name not in best or pass_s[name] < best[name]:
-                    best[name] = pass_s[name]
-                    ratios[name] = pass_s[name] / pass_s["resident"]
+        best, ratios = best_of_passes(per_rank, n, passes, MODES, "resident")
         result["points"].append({"tokens": n, "seconds": {k: round(v, 4) for k, v in best.items()},
                                  "ratio_to_resident": {k: round(v, 3) for k, v in ratios.items()}})
     result["links"] = ranks[0]["links"]
     planner_choices(result, result["links"])
     result["findings"] = findings(result["points"])
     return result
+
+
+def best_of_passes(per_rank: list[dict[str, float]], tokens: int, passes: int,
+                   modes: Sequence[str], base: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Per mode at ``tokens``, from each rank's ``"{tokens}/{pass}/{mode}"`` figures: the best
+    pass's figure (a pass's figure is its slowest rank's: the ranks step together) and its ratio
+    to ``base``'s in the same pass."""
+    best: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    for p in range(passes):
+        pass_s = {name: max(r[f"{tokens}/{p}/{name}"] for r in per_rank) for name in modes}
+        for name in modes:
+            if name not in best or pass_s[name] < best[name]:
+                best[name] = pass_s[name]
+                ratios[name] = pass_s[name] / pass_s[base]
+    return best, ratios
 
 
 def findings(points: list[dict[str, Any]]) -> list[str]:
