@@ -257,32 +257,10 @@ class DLOHandle:
         # of modules with submodules, which any part of the block's forward may read) when the
         # block is bound, into the region before it. The buffer fits the largest rest and the
         # largest layer: a layer, not a block, in the compute dtype.
-        self._upcasts: dict[int, tuple[Upcast, ...]] = {}
-        self._layer_names: set[str] = set()  # the cast tensors upcast per layer
-        layer_parts: list[tuple[int, nn.Module, tuple[Upcast, ...]]] = []
-        rest_bytes = 0
-        for lay, st in zip(self._streamed, self._stored[resident_blocks:], strict=True):
-            if st is lay:
-                continue
-            block = block_modules[lay.index]
-            by_layer: dict[nn.Module, list[Upcast]] = {}
-            rest: list[Upcast] = []
-            for u in upcast_plan(lay, st)[0]:
-                owner = u.entry.module
-                if owner is not block and next(owner.children(), None) is None:
-                    by_layer.setdefault(owner, []).append(u)
-                    self._layer_names.add(u.entry.name)
-                else:
-                    rest.append(u)
-            self._upcasts[lay.index], size = packed(rest)
-            rest_bytes = max(rest_bytes, size)
-            layer_parts.extend((lay.index, owner, tuple(ups)) for owner, ups in by_layer.items())
-        self._compute_bytes = rest_bytes
-        self._layer_upcasts: list[tuple[int, nn.Module, tuple[Upcast, ...]]] = []
-        for index, owner, ups in layer_parts:
-            plan, end = packed(ups, base=rest_bytes)
-            self._layer_upcasts.append((index, owner, plan))
-            self._compute_bytes = max(self._compute_bytes, end)
+        self._upcasts, self._layer_upcasts, self._compute_bytes = _upcast_plans(
+            self._streamed, self._stored[resident_blocks:])
+        # The cast tensors upcast per layer.
+        self._layer_names = {u.entry.name for _, _, plan in self._layer_upcasts for u in plan}
         # A cast block streams from a host copy in its stored dtype: this rank's shards in
         # allgather mode, the whole blocks in rank-local mode (the source holds them uncast).
         self._host_copy = config.use_allgather or any(self._casts)
@@ -793,9 +771,7 @@ class DLOHandle:
                   for lay in self._layouts]
         return {"block_bytes": sum(st.padded_bytes for st in stored),
                 "max_block_bytes": max(st.padded_bytes for st in stored),
-                "compute_buffer_bytes": max((upcast_plan(lay, st)[1] for lay, st
-                                             in zip(self._layouts, stored, strict=True)
-                                             if st is not lay), default=0)}
+                "compute_buffer_bytes": _upcast_plans(self._layouts, stored)[2]}
 
     @property
     def bytes_moved(self) -> tuple[int, int]:
@@ -879,6 +855,36 @@ class DLOHandle:
             dist.destroy_process_group(self._group)
         self._group = None
         self._closed = True
+
+
+def _upcast_plans(layouts: Sequence[BlockLayout], stored: Sequence[BlockLayout]) -> tuple[
+        dict[int, tuple[Upcast, ...]], list[tuple[int, nn.Module, tuple[Upcast, ...]]], int]:
+    """How the cast blocks among ``layouts`` (kept as ``stored``) are upcast: per block, the
+    tensors upcast when it is bound, packed from the compute buffer's start; per leaf layer (a
+    module without submodules: a Linear, a norm), its block, itself and its own tensors, packed
+    after the largest of those; and the compute buffer's size."""
+    upcasts: dict[int, tuple[Upcast, ...]] = {}
+    by_layer: dict[nn.Module, tuple[int, list[Upcast]]] = {}
+    rest_bytes = 0
+    for lay, st in zip(layouts, stored, strict=True):
+        if st is lay:
+            continue
+        rest: list[Upcast] = []
+        for u in upcast_plan(lay, st)[0]:
+            owner = u.entry.module
+            if next(owner.children(), None) is None:
+                by_layer.setdefault(owner, (lay.index, []))[1].append(u)
+            else:
+                rest.append(u)
+        upcasts[lay.index], size = packed(rest)
+        rest_bytes = max(rest_bytes, size)
+    layers = []
+    compute_bytes = rest_bytes
+    for owner, (index, ups) in by_layer.items():
+        plan, end = packed(ups, base=rest_bytes)
+        layers.append((index, owner, plan))
+        compute_bytes = max(compute_bytes, end)
+    return upcasts, layers, compute_bytes
 
 
 def _make_views(lay: BlockLayout, buf: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -165,6 +165,39 @@ def test_resident_and_streamed_blocks_compute_from_the_same_cast_weights(weights
         torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("weights_dtype", ["bf16", "fp8"])
+def test_a_cast_block_is_upcast_layer_by_layer(weights_dtype):
+    """The compute buffer holds the largest layer in the compute dtype, not a block: a layer's
+    cast tensors are upcast just before it runs and bound only for its forward, so a read of
+    them anywhere else finds a meta tensor, never another layer's values."""
+    model = build_tiny()
+    handle = apply_dlo(model.transformer, device="cpu", weights_dtype=weights_dtype)
+    try:
+        block = model.transformer.blocks[0]
+        layers = [m for m in block.modules() if next(m.children(), None) is None
+                  and any(p.is_floating_point() for p in m.parameters(recurse=False))]
+        largest = max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in layers)
+        block_bytes = sum(p.numel() * 4 for p in block.parameters())
+        compute = handle.stats()["compute_buffer_bytes"]
+        assert largest <= compute < largest + block_bytes // 4 < block_bytes
+        assert handle.stored_sizes(weights_dtype)["compute_buffer_bytes"] == compute
+        seen = {}
+
+        def record(module: nn.Module, args: Any) -> None:  # runs after the engine's own
+            seen[module] = module.weight.device.type
+        hooks = [m.register_forward_pre_hook(record) for m in layers if hasattr(m, "weight")]
+        x = torch.randn(1, 12, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            model.transformer(x, torch.tensor([500.0]),
+                              model.text_encoder(*model.tokenizer(["a red ball"])))
+        for h in hooks:
+            h.remove()
+        assert seen and set(seen.values()) == {"cpu"}  # bound while each layer ran
+        assert all(m.weight.device.type == "meta" for m in seen)  # and only then
+    finally:
+        handle.close()
+
+
 def test_fp8_scales_per_output_channel_and_what_stays_wider():
     w = torch.randn(6, 5) * torch.tensor([1e-3, 1.0, 10.0, 100.0, 0.5, 0.0])[:, None]
     scale = fp8_scale(w)
