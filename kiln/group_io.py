@@ -12,12 +12,13 @@ coordinator's decision, not this module's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -45,6 +46,9 @@ from storage.outputs import OutputStore, make_store
 from storage.tables import InputFile, Job, LoraAdapter
 from storage.webhooks import LIVE_EVENTS
 from storage.workers import GroupReport, report_group
+
+if TYPE_CHECKING:
+    from celery import Celery  # loaded on rank 0 only, by ServerIO
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +132,9 @@ class ServerIO:
     """`GroupIO` against the servers of ``settings``: the database, Redis, the webhook queue.
 
     ``notify(session, job_id)``: called after a job's final state is committed (default: the
-    webhook enqueue, `kiln.tasks.enqueue_job_finished`); ``report(session, report)``: records
-    the group's state; ``send_event(url, msg_id, kind, body)``: enqueues a live webhook.
+    webhook enqueue, `kiln.tasks.enqueue_job_finished`, on a Celery app of ``settings``);
+    ``report(session, report)``: records the group's state; ``send_event(url, msg_id, kind,
+    body)``: enqueues a live webhook (default: `kiln.tasks.enqueue_event`, on that app).
     """
 
     def __init__(self, settings: Settings, *, group_id: str, model: str, sp: int,
@@ -138,16 +143,15 @@ class ServerIO:
                  send_event: Callable[[str, str, str, bytes], object] | None = None) -> None:
         if not settings.redis_url:
             raise ValueError("the worker needs REDIS_URL (kiln up sets it for its children)")
-        if notify is None:
+        self._celery: Celery | None = None
+        if notify is None or send_event is None:
             # Here, not at the top: Celery (20 MiB a process) loads on rank 0 only, the one
             # rank that enqueues webhooks.
-            from kiln.tasks import enqueue_job_finished
+            from kiln.tasks import enqueue_event, enqueue_job_finished, make_celery
 
-            notify = enqueue_job_finished
-        if send_event is None:
-            from kiln.tasks import enqueue_event  # here: Celery loads on rank 0 only
-
-            send_event = enqueue_event
+            self._celery = celery = make_celery(settings)
+            notify = notify or functools.partial(enqueue_job_finished, celery)
+            send_event = send_event or functools.partial(enqueue_event, celery)
         self.settings = settings
         self.prefix = settings.redis_prefix
         self.group_id = group_id
@@ -363,4 +367,6 @@ class ServerIO:
 
     def close(self) -> None:
         self.redis.close()
+        if self._celery is not None:
+            self._celery.close()
         self.sessions.kw["bind"].dispose()

@@ -11,8 +11,10 @@ Nothing here is the only copy of a fact: the database says which jobs are finish
 webhook, which batches have ended and owe batch.completed (`storage.webhooks`), which leases
 lapsed, what is queued and what is old, so a lost task is made good by the next periodic run.
 
-Run it with ``kiln celery`` (worker with embedded beat), or ``kiln celery worker`` and
-``kiln celery beat`` as separate processes (production: exactly one beat).
+The app and its tasks come from `make_celery` (settings in, a configured app out): each process
+that runs or enqueues the side work builds its own. Run it with ``kiln celery`` (worker with
+embedded beat), or ``kiln celery worker`` and ``kiln celery beat`` as separate processes
+(production: exactly one beat); Celery's own command line takes ``-A kiln.celery_app``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -56,9 +57,6 @@ _CLEAN_UP_CHUNK = 200
 # batch.completed lists this many of the failed, expired and dead jobs (``counts`` has them all,
 # the report route every job): a receiver's body stays small for a batch of thousands.
 MAX_EVENT_PROBLEMS = 100
-
-app = Celery("kiln")
-
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     """The Celery settings for a deployment: its Redis, its key prefix, late acks."""
@@ -119,32 +117,6 @@ def _safe(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text).strip("_") or "kiln"
 
 
-def configure(settings: Settings) -> None:
-    """Points the app at ``settings``' Redis. Done at import with the environment's settings;
-    a process that holds other settings (tests) calls it again."""
-    _forget_connections()
-    app.conf.update(celery_config(settings))
-
-
-def _forget_connections() -> None:
-    # Celery caches its broker pool and result backend on the app; close and drop both so the
-    # next use connects under the new configuration.
-    if app._pool is not None:
-        app._pool.force_close_all()
-        app._pool = None
-    app.amqp._producer_pool = None
-    backend = app._backend
-    if backend is not None:
-        client = getattr(backend, "client", None)
-        if client is not None:
-            client.close()
-        app._backend_cache = None
-        app._local = threading.local()
-
-
-configure(get_settings())
-
-
 @signals.setup_logging.connect
 def _setup_logging(loglevel: int | None = None, **_: Any) -> None:
     """Celery's worker and beat log through kiln's configuration (`common.logs`), at the level
@@ -202,12 +174,6 @@ def make_context(settings: Settings) -> Context:
         redis=Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5),
         store=make_store(settings),
     )
-
-
-@lru_cache
-def _context() -> Context:
-    # Built lazily: in a prefork pool each child makes its own connections after the fork.
-    return make_context(get_settings())
 
 
 def job_data(job: Job) -> dict[str, Any]:
@@ -583,66 +549,6 @@ def clean_up(ctx: Context, *, now: datetime | None = None) -> list[str]:
             return purged
 
 
-# ---- the tasks ----------------------------------------------------------------------------------
-# The periodic ones keep no result: beat starts thousands a day and nobody reads them (the worker
-# log has their counts). The delivery tasks have no retry bound of Celery's (max_retries=None on
-# the task; ``retry(max_retries=None)`` would mean Celery's default of 3): webhook_max_attempts,
-# counted by the outbox row or the task's own retries, decides when they stop.
-
-@app.task(name="kiln.deliver_webhook", bind=True, max_retries=None)
-def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
-    outcome = deliver(_context(), job_id)
-    if outcome.retry_in is not None:
-        # The database counts the attempts and gives up; Celery only carries the wait.
-        raise self.retry(countdown=outcome.retry_in)
-    return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
-
-
-@app.task(name="kiln.deliver_batch_webhook", bind=True, max_retries=None)
-def deliver_batch_webhook(self: Task, batch_id: str) -> dict[str, Any]:
-    outcome = deliver_batch(_context(), batch_id)
-    if outcome.retry_in is not None:
-        raise self.retry(countdown=outcome.retry_in)
-    return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
-
-
-@app.task(name="kiln.deliver_event", bind=True, ignore_result=True, max_retries=None)
-def deliver_event(self: Task, url: str, msg_id: str, kind: str, body: str) -> str:
-    outcome = deliver_logged(_context(), url, msg_id, kind, body.encode(),
-                             attempt=self.request.retries + 1)
-    if outcome.retry_in is not None:
-        raise self.retry(countdown=outcome.retry_in)
-    return outcome.state
-
-
-@app.task(name="kiln.sweep_webhooks", ignore_result=True)
-def sweep_webhooks() -> int:
-    owed = sweep(_context())
-    for job_id in owed:
-        deliver_webhook.delay(job_id)
-    batches = sweep_batches(_context())
-    for batch_id in batches:
-        deliver_batch_webhook.delay(batch_id)
-    return len(owed) + len(batches)
-
-
-@app.task(name="kiln.reap_leases", ignore_result=True)
-def reap_leases_task() -> dict[str, int]:
-    out = reap_leases(_context())
-    for job_id in out.notify:
-        deliver_webhook.delay(job_id)
-    for batch_id in out.batches:
-        deliver_batch_webhook.delay(batch_id)
-    return {"requeued": len(out.requeued), "dead": len(out.dead),
-            "cancelled": len(out.cancelled), "expired": len(out.expired)}
-
-
-@app.task(name="kiln.reconcile_ready_index", ignore_result=True)
-def reconcile_ready_index() -> dict[str, int]:
-    out = reconcile(_context())
-    return {"added": out.added, "removed": out.removed}
-
-
 def clean_up_checkpoints(ctx: Context) -> list[str]:
     """Deletes the checkpoints no attempt will resume: those of jobs that are over (ended where
     no rank deleted the checkpoint: dead after a crash, cancelled while queued) or no longer
@@ -679,15 +585,90 @@ def clean_up_inputs(ctx: Context, *, now: datetime | None = None) -> list[str]:
             return deleted
 
 
-@app.task(name="kiln.clean_up_outputs", ignore_result=True)
-def clean_up_outputs() -> int:
-    ctx = _context()
-    return len(clean_up(ctx)) + len(clean_up_checkpoints(ctx)) + len(clean_up_inputs(ctx))
+# ---- the Celery app and its tasks ---------------------------------------------------------------
+
+def make_celery(settings: Settings) -> Celery:
+    """A Celery app on ``settings``' Redis with kiln's tasks, which work against ``settings``'
+    servers. Every process that runs or enqueues the side work builds its own from its settings:
+    `kiln celery` (worker and beat), the worker group's rank 0 (its webhooks), Celery's own
+    command line (`kiln.celery_app`), the tests. An app is never reconfigured: other settings
+    make another app, with its own connections (close it with ``app.close()``)."""
+    app = Celery("kiln", set_as_current=False)
+    app.conf.update(celery_config(settings))
+
+    @cache
+    def context() -> Context:
+        # Built on first use: in a prefork pool each child makes its own connections after the
+        # fork.
+        return make_context(settings)
+
+    # Each task is this app's alone (shared=False): Celery's default would add it to every app
+    # built later in the process, with this app's settings. The periodic ones keep no result:
+    # beat starts thousands a day and nobody reads them (the worker log has their counts). The
+    # delivery tasks have no retry bound of Celery's (max_retries=None on the task;
+    # ``retry(max_retries=None)`` would mean Celery's default of 3): webhook_max_attempts,
+    # counted by the outbox row or the task's own retries, decides when they stop.
+
+    @app.task(name="kiln.deliver_webhook", shared=False, bind=True, max_retries=None)
+    def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
+        outcome = deliver(context(), job_id)
+        if outcome.retry_in is not None:
+            # The database counts the attempts and gives up; Celery only carries the wait.
+            raise self.retry(countdown=outcome.retry_in)
+        return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
+
+    @app.task(name="kiln.deliver_batch_webhook", shared=False, bind=True, max_retries=None)
+    def deliver_batch_webhook(self: Task, batch_id: str) -> dict[str, Any]:
+        outcome = deliver_batch(context(), batch_id)
+        if outcome.retry_in is not None:
+            raise self.retry(countdown=outcome.retry_in)
+        return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
+
+    @app.task(name="kiln.deliver_event", shared=False, bind=True, ignore_result=True,
+              max_retries=None)
+    def deliver_event(self: Task, url: str, msg_id: str, kind: str, body: str) -> str:
+        outcome = deliver_logged(context(), url, msg_id, kind, body.encode(),
+                                 attempt=self.request.retries + 1)
+        if outcome.retry_in is not None:
+            raise self.retry(countdown=outcome.retry_in)
+        return outcome.state
+
+    @app.task(name="kiln.sweep_webhooks", shared=False, ignore_result=True)
+    def sweep_webhooks() -> int:
+        owed = sweep(context())
+        for job_id in owed:
+            deliver_webhook.delay(job_id)
+        batches = sweep_batches(context())
+        for batch_id in batches:
+            deliver_batch_webhook.delay(batch_id)
+        return len(owed) + len(batches)
+
+    @app.task(name="kiln.reap_leases", shared=False, ignore_result=True)
+    def reap_leases_task() -> dict[str, int]:
+        out = reap_leases(context())
+        for job_id in out.notify:
+            deliver_webhook.delay(job_id)
+        for batch_id in out.batches:
+            deliver_batch_webhook.delay(batch_id)
+        return {"requeued": len(out.requeued), "dead": len(out.dead),
+                "cancelled": len(out.cancelled), "expired": len(out.expired)}
+
+    @app.task(name="kiln.reconcile_ready_index", shared=False, ignore_result=True)
+    def reconcile_ready_index() -> dict[str, int]:
+        out = reconcile(context())
+        return {"added": out.added, "removed": out.removed}
+
+    @app.task(name="kiln.clean_up_outputs", shared=False, ignore_result=True)
+    def clean_up_outputs() -> int:
+        ctx = context()
+        return len(clean_up(ctx)) + len(clean_up_checkpoints(ctx)) + len(clean_up_inputs(ctx))
+
+    return app
 
 
-def enqueue_job_finished(session: Session, job_id: str) -> bool:
-    """Asks for the webhook of a job that just reached a final state (call after the commit), and
-    for its batch's batch.completed when it was the batch's last job.
+def enqueue_job_finished(app: Celery, session: Session, job_id: str) -> bool:
+    """Asks ``app`` for the webhook of a job that just reached a final state (call after the
+    commit), and for its batch's batch.completed when it was the batch's last job.
 
     Best effort: the sweeper delivers anyway, so no error here (Redis down, no broker configured)
     may disturb the caller. True if a task was enqueued.
@@ -703,9 +684,11 @@ def enqueue_job_finished(session: Session, job_id: str) -> bool:
             # One try, no waiting between retries: a worker group must not stall on Redis.
             conn.ensure_connection(max_retries=0, interval_start=0, timeout=5)
             for one in jobs:
-                deliver_webhook.apply_async((one,), connection=conn, retry=False)
+                app.tasks["kiln.deliver_webhook"].apply_async((one,), connection=conn,
+                                                              retry=False)
             for batch_id in batches:
-                deliver_batch_webhook.apply_async((batch_id,), connection=conn, retry=False)
+                app.tasks["kiln.deliver_batch_webhook"].apply_async((batch_id,), connection=conn,
+                                                                    retry=False)
         return True
     except Exception:  # any failure: broker, network, database; the sweeper is the safety net
         log.warning("could not enqueue the webhook of job %s; the sweeper will send it", job_id,
@@ -717,16 +700,16 @@ def enqueue_job_finished(session: Session, job_id: str) -> bool:
         return False
 
 
-def enqueue_event(url: str, msg_id: str, kind: str, body: bytes) -> bool:
-    """Asks for a job.started or job.progress event (`deliver_live`). Best effort like
+def enqueue_event(app: Celery, url: str, msg_id: str, kind: str, body: bytes) -> bool:
+    """Asks ``app`` for a job.started or job.progress event (`deliver_live`). Best effort like
     `enqueue_job_finished`: never raises, never waits on Redis; True if a task was enqueued."""
     try:
         if app.conf.broker_url is None:
             return False
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=0, interval_start=0, timeout=5)
-            deliver_event.apply_async((url, msg_id, kind, body.decode()), connection=conn,
-                                      retry=False)
+            app.tasks["kiln.deliver_event"].apply_async((url, msg_id, kind, body.decode()),
+                                                        connection=conn, retry=False)
         return True
     except Exception:
         log.warning("could not enqueue the webhook event %s", msg_id, exc_info=True)

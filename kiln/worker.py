@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 from sqlalchemy.orm import Session
@@ -56,6 +56,9 @@ from storage.db import make_engine, make_session_factory
 from storage.outages import describe, is_outage
 from storage.outputs import OutputStore, checkpoint_key, make_store
 from storage.video import OutputWriter
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +293,15 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
     sessions = make_session_factory(make_engine(settings.database_url))
     redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
     charged: set[str] = set()
+    celery: list[Celery] = []  # the app that enqueues webhooks, made when a job ends here
+
+    def notify(session: Session, job_id: str) -> object:
+        # Here, not at the top: Celery (20 MiB a process) loads only when a job ended here.
+        from kiln.tasks import enqueue_job_finished, make_celery
+
+        if not celery:
+            celery.append(make_celery(settings))
+        return enqueue_job_finished(celery[0], session, job_id)
 
     def end_attempts() -> None:
         with sessions() as session:
@@ -309,7 +321,7 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
                                     charged=False)
                 state = finish_attempt(session, redis, settings.redis_prefix,  # type: ignore[arg-type]
                                        job.id, job.attempt_token, ending,
-                                       notify=_enqueue_job_finished)
+                                       notify=notify)
                 job_log("recovered", job=job.id, attempt=attempt, replica=rank,
                         state=state, charged=ending.charged, error=ending.error)
             workers.mark_stopped(session, group_id, reason=str(failure).splitlines()[0][:500])
@@ -337,12 +349,7 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
     finally:
         if redis is not None:
             redis.close()
+        for app in celery:
+            app.close()
         sessions.kw["bind"].dispose()
     return len(charged)
-
-
-def _enqueue_job_finished(session: Session, job_id: str) -> object:
-    # Here, not at the top: Celery (20 MiB a process) loads only when a group failed.
-    from kiln.tasks import enqueue_job_finished
-
-    return enqueue_job_finished(session, job_id)

@@ -185,8 +185,11 @@ def test_celery_runs_a_worker_with_embedded_beat_by_default_or_the_role_asked_fo
     from kiln import tasks
 
     started: list[list[str]] = []
-    monkeypatch.setattr(tasks.app, "start", started.append)
-    monkeypatch.setattr(tasks, "configure", lambda settings: None)
+
+    class App:  # what kiln celery needs of the app make_celery builds
+        start = staticmethod(started.append)
+
+    monkeypatch.setattr(tasks, "make_celery", lambda settings: App())
     result = runner.invoke(cli, ["celery", *args],
                            env={"REDIS_URL": "redis://127.0.0.1:6379/0",
                                 "KILN_REDIS_PREFIX": redis_prefix})

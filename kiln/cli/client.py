@@ -369,10 +369,9 @@ def celery_(
         raise typer.BadParameter("--no-beat contradicts the beat role")
 
     # Here, not at the top: Celery and the database layer load only for `kiln celery`.
-    from kiln.tasks import app as celery_app
-    from kiln.tasks import beat_schedule_path, configure
+    from kiln.tasks import beat_schedule_path, make_celery
 
-    configure(settings)
+    celery_app = make_celery(settings)
     # Celery's own option, its logging being kiln's (kiln.tasks: the setup_logging signal).
     loglevel = loglevel or settings.log_level
     if role == "beat":

@@ -139,7 +139,10 @@ def test_configure_keeps_the_loggers_made_before_it_and_quiets_chatty_libraries(
 def test_celery_logs_through_kilns_configuration_with_the_job_of_the_running_task() -> None:
     lines = _run("import logging\n"
                  "from celery import signals\n"
-                 "from kiln.tasks import app, deliver_webhook\n"
+                 "from common.settings import get_settings\n"
+                 "from kiln.tasks import make_celery\n"
+                 "app = make_celery(get_settings())\n"
+                 "deliver_webhook = app.tasks['kiln.deliver_webhook']\n"
                  "app.log.setup(loglevel='INFO')\n"
                  "assert len(logging.getLogger().handlers) == 1\n"
                  "logging.getLogger('celery.worker.strategy').info('Task received')\n"

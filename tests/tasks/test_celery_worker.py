@@ -19,7 +19,6 @@ from servers import Receiver
 from standardwebhooks import Webhook
 from task_helpers import make_settings, secret_of, submit, succeed
 
-from common.settings import get_settings
 from kiln import tasks
 from kiln.tasks import Context
 from storage import webhooks
@@ -34,7 +33,7 @@ def celery_worker(env: dict[str, str], log_path: Path) -> Iterator[None]:
     """``celery worker`` (one process, no pool) with ``env``, its output in ``log_path``."""
     with open(log_path, "wb") as log:
         worker = subprocess.Popen(
-            [CELERY, "-A", "kiln.tasks", "worker", "--pool", "solo", "--loglevel", "INFO",
+            [CELERY, "-A", "kiln.celery_app", "worker", "--pool", "solo", "--loglevel", "INFO",
              "--without-gossip", "--without-mingle", "--without-heartbeat"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -61,14 +60,10 @@ def test_a_webhook_task_enqueued_with_delay_is_retried_and_delivered_by_a_real_w
         with ctx.sessions() as s:
             job_id = submit(s, now=utcnow(), webhook_url=receiver.url).id
             succeed(ctx, s, job_id, now=utcnow())
-        with celery_worker(env, log_path):
-            tasks.configure(settings)
-            try:
-                result = tasks.deliver_webhook.delay(job_id)
-                outcome = result.get(timeout=60)
-                got = receiver.wait_for(2)
-            finally:
-                tasks.configure(get_settings())
+        with celery_worker(env, log_path), tasks.make_celery(settings) as app:
+            result = app.tasks["kiln.deliver_webhook"].delay(job_id)
+            outcome = result.get(timeout=60)
+            got = receiver.wait_for(2)
     # The first POST got a 500; Celery carried the retry; the result is the final attempt's.
     assert outcome == {"state": "delivered", "attempt": 2, "status": 200}, log_path.read_text()
     assert [(r.answered, r.headers["Kiln-Attempt"]) for r in got] == [(500, "1"), (200, "2")]
@@ -95,14 +90,11 @@ def test_a_progress_event_is_tried_webhook_max_attempts_times_by_a_real_worker(
         with ctx.sessions() as s:
             job_id = submit(s, now=utcnow(), webhook_url=receiver.url).id
         msg_id, body = tasks.progress_event(job_id, 1, 2, 4)
-        with celery_worker(env, log_path):
-            tasks.configure(settings)
-            try:
-                tasks.deliver_event.delay(receiver.url, msg_id, "job.progress", body.decode())
-                got = receiver.wait_for(8)
-                time.sleep(1.5)  # a ninth attempt would be due 0.2 s after the eighth
-            finally:
-                tasks.configure(get_settings())
+        with celery_worker(env, log_path), tasks.make_celery(settings) as app:
+            app.tasks["kiln.deliver_event"].delay(receiver.url, msg_id, "job.progress",
+                                                  body.decode())
+            got = receiver.wait_for(8)
+            time.sleep(1.5)  # a ninth attempt would be due 0.2 s after the eighth
     assert [r.headers["Kiln-Attempt"] for r in receiver.requests] == [
         str(n) for n in range(1, 9)], log_path.read_text()
     assert {r.headers["webhook-id"] for r in got} == {msg_id}

@@ -73,16 +73,16 @@ def test_a_failed_group_ends_its_attempts_once_the_database_answers_again(
 
 @pytest.mark.parametrize("db", ["postgresql"], indirect=True)
 def test_asking_for_webhooks_during_an_outage_leaves_the_session_usable(
-        db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tasks.app.conf, "broker_url", "redis://127.0.0.1:6379/0")
+        db: Any, redis_prefix: str, tmp_path: Path) -> None:
     url = make_url(db.url)
-    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+    app = tasks.make_celery(make_settings(db.url, redis_prefix, tmp_path))
+    with app, TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
         engine = make_engine(_proxied(db.url, proxy), pool_size=1, max_overflow=0)
         try:
             with make_session_factory(engine)() as session:
                 assert session.execute(text("SELECT 1")).scalar() == 1
                 proxy.refuse()
-                assert tasks.enqueue_job_finished(session, "no-such-job") is False
+                assert tasks.enqueue_job_finished(app, session, "no-such-job") is False
                 proxy.accept()
                 assert session.execute(text("SELECT 1")).scalar() == 1
         finally:

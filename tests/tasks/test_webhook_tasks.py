@@ -17,7 +17,6 @@ from task_helpers import SECRET, fail, make_settings, secret_of, submit, succeed
 
 from common import netguard
 from common.procs import free_port
-from common.settings import get_settings
 from kiln import signing, tasks
 from kiln.tasks import Context, deliver, sweep
 from storage import lifecycle, webhooks
@@ -200,16 +199,14 @@ def test_enqueue_job_finished_skips_jobs_without_a_webhook_and_never_raises(
         succeed(ctx, s, hooked, now=t)
         queued = submit(s, now=t, webhook_url="http://127.0.0.1:9/hook").id
         # A broker nobody listens on: the worker group must carry on regardless.
-        tasks.configure(make_settings(ctx.settings.database_url, redis_prefix, tmp_path,  # type: ignore[arg-type]
-                                      redis_url=f"redis://127.0.0.1:{free_port()}/0"))
-        try:
+        with tasks.make_celery(make_settings(
+                ctx.settings.database_url, redis_prefix, tmp_path,  # type: ignore[arg-type]
+                redis_url=f"redis://127.0.0.1:{free_port()}/0")) as app:
             started = time.monotonic()
-            assert tasks.enqueue_job_finished(s, plain) is False
-            assert tasks.enqueue_job_finished(s, queued) is False
-            assert tasks.enqueue_job_finished(s, hooked) is False
+            assert tasks.enqueue_job_finished(app, s, plain) is False
+            assert tasks.enqueue_job_finished(app, s, queued) is False
+            assert tasks.enqueue_job_finished(app, s, hooked) is False
             assert time.monotonic() - started < 5
-        finally:
-            tasks.configure(get_settings())
 
 
 def _guarded(ctx: Context, tmp_path: object, **overrides: Any) -> None:

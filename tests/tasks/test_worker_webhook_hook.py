@@ -9,8 +9,6 @@ from typing import Any
 
 from task_helpers import make_settings, submit
 
-from common.settings import get_settings
-from kiln import tasks
 from kiln.tasks import Context
 from kiln.worker import WorkerConfig, make_coordinator
 from runtime.rank_loop import Ended
@@ -31,7 +29,7 @@ def test_finishing_a_job_with_a_webhook_enqueues_its_delivery_and_others_enqueue
             claim = lifecycle.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=600)
             assert claim is not None
             tokens[job_id] = claim.attempt_token
-    tasks.configure(settings)
+    # The coordinator's own Celery app, made from its settings, enqueues on their Redis.
     coordinator = make_coordinator(settings, WorkerConfig(), Layout(), "cpu")
     try:
         coordinator.record([
@@ -39,7 +37,6 @@ def test_finishing_a_job_with_a_webhook_enqueues_its_delivery_and_others_enqueue
                   num_inference_steps=4, outcome="succeeded", video_key=video_key(job_id))
             for job_id in (hooked, plain)])
     finally:
-        tasks.configure(get_settings())
         coordinator.io.close()
 
     with ctx.sessions() as s:
