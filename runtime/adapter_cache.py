@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -124,7 +124,8 @@ def _place(adapter: Adapter, transformers: dict[str, nn.Module], device: torch.d
     model = transformers[adapter.target]
     added = 0
     for module_name, layer in adapter.layers.items():
-        placed = layer.on(device, model.get_submodule(module_name).weight.dtype)
+        linear = cast(nn.Linear, model.get_submodule(module_name))  # load_adapter checked it
+        placed = layer.on(device, linear.weight.dtype)
         added += sum(t.numel() * t.element_size() for t, loaded in
                      zip(placed, (layer.down, layer.up, layer.up_bias), strict=True)
                      if t is not None and t is not loaded)

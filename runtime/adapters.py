@@ -339,13 +339,13 @@ def _install(transformers: Mapping[str, nn.Module], adapter: Adapter) -> None:
                              f"{adapter.target} at {module_name!r}: it was loaded for another "
                              "model")
         if not hasattr(linear, "_kiln_lora_hook"):
-            linear._kiln_lora_hook = linear.register_forward_hook(
-                _hook(adapter.target, module_name))
+            hook = linear.register_forward_hook(_hook(adapter.target, module_name))
+            linear._kiln_lora_hook = hook  # type: ignore[assignment]  # our own attribute
     checked.add(adapter)
 
 
 def _hook(target: str, module_name: str) -> Any:
-    def add_low_rank(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+    def add_low_rank(module: nn.Linear, args: tuple[Any, ...], output: torch.Tensor) -> Any:
         active = _ACTIVE.get()
         if not active:
             return None

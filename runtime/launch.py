@@ -104,9 +104,11 @@ def init_process_group(rank: int, world: int, device: str,
     """Joins the group; ``timeout_s`` bounds every collective (a hung peer then raises instead
     of blocking forever; unset: torch's default)."""
     if device != "cpu":
-        mod = torch.cuda if device == "cuda" else torch.npu  # type: ignore[attr-defined]
+        mod = (torch.cuda if device == "cuda"
+               else torch.npu)  # type: ignore[attr-defined]  # torch_npu adds it
         mod.set_device(device_for(device))
-    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    timeout: dict[str, Any] = ({} if timeout_s is None
+                               else {"timeout": timedelta(seconds=timeout_s)})
     dist.init_process_group(BACKENDS[device], rank=rank, world_size=world, **timeout)
 
 

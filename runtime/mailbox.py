@@ -84,6 +84,7 @@ def open_mailbox(rank: int, group: Any = None) -> Mailbox:
     thread that sends or takes messages uses its own: `Mailbox.clone`)."""
     box: list[Any] = [f"kiln/mailbox/{secrets.token_hex(4)}/" if rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
-    store = dist.distributed_c10d._get_default_store().clone()  # noqa: SLF001 - no public one
+    default = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - no public one
+    store = default.clone()  # type: ignore[attr-defined]  # there, but not in torch's stubs
     return Mailbox(dist.PrefixStore(box[0], store))
 

@@ -37,7 +37,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -193,7 +193,16 @@ def time_collectives(ctx: RankContext, nbytes: int, reps: int) -> dict[str, floa
     return out
 
 
-def link_figures(times: dict[str, float], nbytes: int, world: int) -> dict[str, float]:
+class LinkFigures(TypedDict):
+    """The link fields of a `Profile`."""
+
+    gather_seconds_per_byte: float
+    gather_latency_seconds: float
+    all_to_all_seconds_per_byte: float
+    all_to_all_latency_seconds: float
+
+
+def link_figures(times: dict[str, float], nbytes: int, world: int) -> LinkFigures:
     """A profile's link fields from `time_collectives`' figures on ``world`` ranks: seconds
     per byte a rank receives (all-gather) or sends (all-to-all), and each one's fixed cost."""
     moved = nbytes * (world - 1) / world

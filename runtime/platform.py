@@ -159,13 +159,14 @@ class NpuPlatform(CudaPlatform):
         import torch_npu  # noqa: F401  (registers torch.npu)
 
         if device is None or device.index is None:
-            device = torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+            index = torch.npu.current_device()  # type: ignore[attr-defined]  # torch_npu adds it
+            device = torch.device("npu", index)
         Platform.__init__(self, device)
         self._registered = {}
 
     @property
     def _mod(self) -> Any:
-        return torch.npu  # type: ignore[attr-defined]
+        return torch.npu  # type: ignore[attr-defined]  # torch_npu adds it
 
     def empty_host(self, num_bytes: int, *, pinned: bool) -> torch.Tensor:
         return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned and num_bytes > 0)
@@ -179,7 +180,7 @@ def npu_available() -> bool:
         import torch_npu  # noqa: F401
     except ImportError:
         return False
-    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]  # torch_npu adds it
 
 
 def default_device() -> torch.device:
@@ -187,7 +188,8 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     if npu_available():
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+        index = torch.npu.current_device()  # type: ignore[attr-defined]  # torch_npu adds it
+        return torch.device("npu", index)
     return torch.device("cpu")
 
 

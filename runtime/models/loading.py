@@ -34,11 +34,11 @@ def meta_parameters() -> Iterator[None]:
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(self, name, param)
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]  # undone below
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        nn.Module.register_parameter = original  # type: ignore[method-assign]  # restored
 
 
 def model_class(model_dir: Path) -> type:
@@ -77,7 +77,7 @@ def build_on_meta(model_dir: str | os.PathLike[str]) -> Any:
     """A diffusers (or transformers) model from ``model_dir``'s config: parameters on meta,
     checkpoint dtypes."""
     model_dir = Path(model_dir)
-    cls = model_class(model_dir)
+    cls: Any = model_class(model_dir)  # a diffusers or transformers model, by its name
     with meta_parameters():
         if hasattr(cls, "from_config"):
             model = cls.from_config(cls.load_config(model_dir))

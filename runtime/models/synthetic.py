@@ -259,7 +259,8 @@ def _text_encoder(spec: SyntheticSpec, vocab_size: int, t5_class: str):  # noqa:
     config = config_cls(vocab_size=vocab_size, d_model=spec.text_dim, d_kv=8,
                         d_ff=2 * spec.text_dim, num_layers=spec.text_layers, num_heads=4,
                         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
-                        decoder_start_token_id=0)
+                        # The config takes keys beyond its fields; its typed signature does not.
+                        decoder_start_token_id=0)  # type: ignore[call-arg]
     return getattr(transformers, t5_class)(config).eval()
 
 
@@ -275,8 +276,9 @@ def build_components(spec: SyntheticSpec) -> dict[str, object]:
             if spec.dtype != torch.float32:
                 model.to(spec.dtype)  # in place
     for name in ("vae", "text_encoder", "image_encoder"):
-        if isinstance(components.get(name), torch.nn.Module):
-            components[name].eval()  # type: ignore[union-attr]
+        module = components.get(name)
+        if isinstance(module, torch.nn.Module):
+            module.eval()
     return components
 
 

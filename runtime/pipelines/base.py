@@ -279,6 +279,7 @@ class VideoPipeline(abc.ABC):
                                                         strict=True)):
             if handle is None:
                 continue
+            assert start is not None  # counted for every handle
             if target is None and handle.num_acquired != start:
                 raise AssertionError(f"{type(self).__name__} ran a transformer that is not "
                                      "active this step")

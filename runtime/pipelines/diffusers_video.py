@@ -176,7 +176,7 @@ class DiffusersVideoPipeline(VideoPipeline):
         return cls(pipe, handles, device=dev, text_handle=text_handle, cfg_batch=cfg_batch)
 
     @staticmethod
-    def enable_sequence_parallel(model: Any, sequence: SequenceParallel) -> None:
+    def enable_sequence_parallel(model: Any, sp: SequenceParallel) -> None:
         """Split the transformer's token sequence over the replica (families whose
         ``sequence_parallel`` is set)."""
         raise NotImplementedError

@@ -134,10 +134,10 @@ class _Reader:
             return {k: self.decode(v, f"{where}.{k}", likes.get(k)) for k, v in items.items()}
         if not isinstance(items, list):
             raise IncompatibleCheckpoint(f"{where}: unreadable value")
-        likes = (like if isinstance(like, list | tuple) and len(like) == len(items)
-                 else [None] * len(items))
+        item_likes = (like if isinstance(like, list | tuple) and len(like) == len(items)
+                      else [None] * len(items))
         out = [self.decode(v, f"{where}.{i}", w) for i, (v, w) in
-               enumerate(zip(items, likes, strict=True))]
+               enumerate(zip(items, item_likes, strict=True))]
         return tuple(out) if tag == "tuple" else out
 
     def _tensor(self, node: dict[str, Any], where: str, like: Any) -> torch.Tensor:
