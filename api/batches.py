@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from fastapi import HTTPException, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -288,8 +288,8 @@ def _job_spec(data: dict[str, Any], s: Settings, now: datetime, kind_of: jobs.In
         return jobs.spec_from_job_create(JobCreate.model_validate(data), s, now, kind_of,
                                          adapter_model)
     except ValidationError as exc:
-        return [(".".join(str(p) for p in e["loc"]) or "body", e)
-                for e in exc.errors(include_url=False)]
+        return [(".".join(str(p) for p in e["loc"]) or "body", cast("dict[str, Any]", e))
+                for e in exc.errors(include_url=False)]  # an ErrorDetails is a dict
     except RequestValidationError as exc:
         return [(".".join(str(p) for p in e["loc"][1:]) or "body", e) for e in exc.errors()]
 

@@ -108,7 +108,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=exc.headers)
 
-    async def _client_gone(request: Request, _: ClientDisconnect) -> JSONResponse:
+    async def _client_gone(request: Request, _: Exception) -> JSONResponse:  # a ClientDisconnect
         # A client that hangs up while sending its body (a closed laptop, a killed curl) is its
         # own doing, not the server's: one line, no traceback. Nobody reads the answer.
         log.info("%s %s: 400, the client disconnected before its whole body arrived",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import overload
 
 from common.families import GENERIC, Family, checkpoint_family, tokens
 from common.render import RenderFields
@@ -85,6 +86,10 @@ def frame_stride(s: Settings | None, family: Family) -> int:
     return math.lcm(family.frame_stride, s.frame_stride)
 
 
+@overload
+def frame_bounds(s: Settings, family: Family) -> tuple[int, int]: ...
+@overload
+def frame_bounds(s: None, family: Family) -> tuple[int, int | None]: ...
 def frame_bounds(s: Settings | None, family: Family) -> tuple[int, int | None]:
     """The fewest and the most frames a clip of ``family`` may have (most None: no bound)."""
     if s is None:

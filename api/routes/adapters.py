@@ -84,9 +84,9 @@ async def register_adapter(request: Request, user: CurrentUser, session: Session
         fields = dict(form.multi_items())
         if len(fields) != len(form.multi_items()):
             raise Refusal(422, "a field is given more than once", code="duplicate")
-        for name in fields:
-            if name not in ("file", "name", "model", "shared"):
-                raise Refusal(422, f"{name}: unknown field", param=name, code="extra_forbidden")
+        for key in fields:
+            if key not in ("file", "name", "model", "shared"):
+                raise Refusal(422, f"{key}: unknown field", param=key, code="extra_forbidden")
         upload = fields.get("file")
         if not isinstance(upload, UploadFile):
             raise Refusal(422, "file: required, as a file part of the form", param="file",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -326,7 +326,7 @@ def _model_for(settings: Settings, kind: str, preferred: str | None, param: str,
     else this deployment's first that can; the OpenAI-shaped 400 when none can."""
     able = admission.models_taking(settings, kind)
     if preferred in able:
-        return preferred  # type: ignore[return-value]
+        return preferred
     if able:
         return able[0]
     raise Refusal(400, f"{param}: no model of this deployment can {what} (it needs a model "
@@ -353,13 +353,13 @@ def _derived_spec(settings: Settings, model: str, prompt: str, *, like: Job | No
     and guidance where there is one and ``model`` is its model, else ``model``'s defaults; held
     to the same rules as any request."""
     d = jobs.request_defaults(settings, model)
-    same = like is not None and like.model == model
-    fields = {name: getattr(like if same else d, name) for name in (
+    same = like if like is not None and like.model == model else None
+    fields = {name: getattr(d if same is None else same, name) for name in (
         "width", "height", "num_frames", "fps", "num_inference_steps", "guidance_scale")}
     if num_frames is not None:
         fields["num_frames"] = num_frames
-    spec = JobSpec(model=model, prompt=prompt, seed=like.seed if same else None,
-                   negative_prompt=like.negative_prompt if same else None, **fields)
+    spec = JobSpec(model=model, prompt=prompt, seed=None if same is None else same.seed,
+                   negative_prompt=None if same is None else same.negative_prompt, **fields)
     problems = admission.request_problems(settings, spec, model=model)
     if problems:
         raise Refusal(400, f"{param}: {problems[0]}", param=param, code="invalid_value")
@@ -460,7 +460,7 @@ async def _video_reference(request: Request, settings: Settings, *,
     except BaseException:
         await form.close()
         raise
-    return form, data, video if video is not None else video_id
+    return form, data, video if video is not None else cast(str, video_id)  # one is given
 
 
 async def _clip_source(reference: UploadFile | str, session: Session, user: User,
