@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -79,8 +79,9 @@ class Attempt:
 
 
 # What a job's event records: its step when it was suspended, continued or resumed.
-NOTES = {"preempted": lifecycle.note_preempted, "continued": lifecycle.note_continued,
-         "resumed": lifecycle.note_resumed}
+NOTES: dict[str, Callable[..., object]] = {
+    "preempted": lifecycle.note_preempted, "continued": lifecycle.note_continued,
+    "resumed": lifecycle.note_resumed}
 
 
 class GroupIO(Protocol):
@@ -255,9 +256,9 @@ class ServerIO:
         except OSError as exc:
             raise media.Rejected("missing", f"the stored object cannot be read: {exc}") from exc
         extend = job.input_role == "extend"
+        fit = cast(media.FitMode, job.input_fit or "crop")  # checked on submit
         frames = media.fitted_frames(data, kind, media.Limits.of(self.settings), job.width,
-                                     job.height, job.input_fit or "crop",  # type: ignore[arg-type]
-                                     max_frames=None if extend else job.num_frames)
+                                     job.height, fit, max_frames=None if extend else job.num_frames)
         pixels = torch.from_numpy(np.stack([np.asarray(frame) for frame in frames]))
         if extend:  # rendered from the clip's last frame, stored after the clip
             return Conditioning(image=pixels[-1], prefix=pixels)

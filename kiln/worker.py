@@ -283,13 +283,13 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
     that crashed charges its replica's job (recorded under the replica's first rank). Returns
     how many attempts it charged.
     """
-    crashed = {r for r in failure.ranks
-               if (code := failure.exit_codes.get(r)) is not None
-               and (code > 0 or -code in _CRASH_SIGNALS)}
+    crashed_ranks = {r for r in failure.ranks
+                     if (code := failure.exit_codes.get(r)) is not None
+                     and (code > 0 or -code in _CRASH_SIGNALS)}
     if not failure.exit_codes and not any(s in str(failure) for s in _LOST_PEER):
-        crashed = set(failure.ranks)  # a rank raised outside a job's step: its job
+        crashed_ranks = set(failure.ranks)  # a rank raised outside a job's step: its job
     # The replica (named by its first rank) -> the rank of it that crashed.
-    crashed = {layout.leader(r): r for r in sorted(crashed, reverse=True)}
+    crashed = {layout.leader(r): r for r in sorted(crashed_ranks, reverse=True)}
     sessions = make_session_factory(make_engine(settings.database_url))
     redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
     charged: set[str] = set()
@@ -319,8 +319,9 @@ def recover_attempts(settings: Settings, group_id: str, failure: RankFailure,
                     ending = Ending(outcome="failed", error="another rank of its worker group "
                                     "failed", code="group_failed", retryable=True,
                                     charged=False)
-                state = finish_attempt(session, redis, settings.redis_prefix,  # type: ignore[arg-type]
-                                       job.id, job.attempt_token, ending,
+                # A group that ran had REDIS_URL (ServerIO refuses to start without it).
+                state = finish_attempt(session, redis,  # type: ignore[arg-type]  # not None
+                                       settings.redis_prefix, job.id, job.attempt_token, ending,
                                        notify=notify)
                 job_log("recovered", job=job.id, attempt=attempt, replica=rank,
                         state=state, charged=ending.charged, error=ending.error)

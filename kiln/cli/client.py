@@ -85,7 +85,7 @@ class Client:
         return response
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return self.request("GET", f"/v1/jobs/{job_id}").json()  # type: ignore[no-any-return]
+        return self.request("GET", f"/v1/jobs/{job_id}").json()
 
     def download(self, job_id: str, out: Path) -> int:
         """Streams the job's video into ``out`` (whole or not at all); returns its size."""

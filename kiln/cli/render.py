@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 from rich.console import Console
@@ -184,7 +184,7 @@ def _conditioning(path: Path, kind: str | None, r: RenderFields, fit: str,
             if found.kind != kind:
                 raise typer.BadParameter(f"{path} is a {found.kind}, not a {kind}")
             frames = media.fitted_frames(file, found.kind, limits, r.width, r.height,
-                                         fit,  # type: ignore[arg-type]
+                                         cast("media.FitMode", fit),  # input_problems checked it
                                          max_frames=r.num_frames)
     except OSError as exc:
         raise typer.BadParameter(f"{path}: {exc.strerror or exc}") from exc

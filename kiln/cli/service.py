@@ -166,9 +166,11 @@ def api(
         raise typer.BadParameter(
             "no Redis configured: set REDIS_URL (or use `kiln up`, which starts one)"
         )
+    grace = settings.api_shutdown_grace_seconds
     uvicorn.run(
         "api.app:app_from_env", factory=True, host=host or settings.api_host,
         port=port or settings.api_port, workers=workers, proxy_headers=True,
-        timeout_graceful_shutdown=settings.api_shutdown_grace_seconds,
+        # uvicorn annotates an int; it hands the value to asyncio.timeout, which takes a float.
+        timeout_graceful_shutdown=grace,  # type: ignore[arg-type]  # a float works
         log_config=log_config(settings.log_level, settings.log_format),
     )

