@@ -23,16 +23,19 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q --durations=15
 
-# The fast lane, for every change: lint, the import contracts, and the tests that reach no
-# server and start no process (marked unit by tests/conftest.py). `make test` runs them all.
+# The fast lane, for every change: lint, the import contracts, the type check ([tool.mypy] in
+# pyproject.toml), and the tests that reach no server and start no process (marked unit by
+# tests/conftest.py). `make test` runs them all.
 check: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -m unit --durations=10
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The benchmark suite: bench/REPORT.md with its figures (JSON, PNG) under bench/results/. The
 # other scripts in bench/ each measure one thing against its own baseline, run by hand.
