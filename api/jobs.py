@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import HTTPException, status
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +27,7 @@ from api.schemas import (
     VideoCreate,
     VideoError,
     VideoPublic,
+    VideoStatus,
     metadata_bytes,
 )
 from common import admission, logs, netguard
@@ -38,6 +39,9 @@ from scheduler import queue_index
 from storage import batches, idempotency, submission
 from storage.submission import Created, JobSpec
 from storage.tables import Job, JobClass, JobState, User, utcnow
+
+if TYPE_CHECKING:
+    from storage.media import FitMode  # typing only: the module loads av and PIL
 
 log = logging.getLogger(__name__)
 
@@ -373,22 +377,24 @@ def job_public(job: Job, *, queue_position: int | None = None,
         resumed_from_step=job.resumed_from_step, preemptions=job.preemptions or 0,
         cancel_requested=job.cancel_requested, created_at=job.created_at,
         started_at=job.started_at, finished_at=job.finished_at,
-        render_seconds=job.render_seconds, input_file_id=job.input_file_id,
-        fit=job.input_fit, strength=job.strength,  # type: ignore[arg-type]
+        render_seconds=job.render_seconds, gathers=job.gathers,
+        blocks_computed=job.blocks_computed, input_file_id=job.input_file_id,
+        fit=cast("FitMode | None", job.input_fit), strength=job.strength,  # checked on submit
         video_url=batches.video_url(job), thumbnail_url=batches.thumbnail_url(job),
-        has_audio=job.has_audio, adapters=job.adapters,  # type: ignore[arg-type]
+        has_audio=job.has_audio,
+        adapters=job.adapters,  # type: ignore[arg-type]  # pydantic reads the stored dicts
         quality=job.quality or "exact", error=_error(job),
     )
 
 
-_VIDEO_STATUS = {JobState.QUEUED: "queued", JobState.RUNNING: "in_progress",
-                 JobState.SUCCEEDED: "completed"}
+_VIDEO_STATUS: dict[JobState, VideoStatus] = {
+    JobState.QUEUED: "queued", JobState.RUNNING: "in_progress", JobState.SUCCEEDED: "completed"}
 
 
 def video_public(job: Job, *, retention_days: int = 0) -> VideoPublic:
     """The job as OpenAI's ``Video``; ``expires_at`` from the deployment's retention (0: kept
     for ever), counted from when the job ended, as retention counts it."""
-    status_ = _VIDEO_STATUS.get(JobState(job.state), "failed")
+    status_: VideoStatus = _VIDEO_STATUS.get(JobState(job.state), "failed")
     total = job.progress_total or job.num_inference_steps
     if status_ == "completed":
         progress = 100

@@ -265,6 +265,14 @@ class JobPublic(BaseModel):
     started_at: datetime | None
     finished_at: datetime | None
     render_seconds: float | None
+    gathers: int | None = Field(
+        default=None, description="block gathers the successful attempt's steps took part in "
+                                  "(0 where the group gathers no weights); null until it "
+                                  "succeeds")
+    blocks_computed: int | None = Field(
+        default=None, description="transformer blocks the successful attempt computed, where a "
+                                  "step cache counts them (fewer than blocks x forwards when "
+                                  "the quality tier skipped some); null otherwise")
     input_file_id: str | None = Field(
         default=None, description="the upload the render starts from (GET /v1/jobs/{id}/input "
                                   "serves it); null: text only, or the file was deleted")
@@ -377,6 +385,9 @@ class VideoError(BaseModel):
     message: str
 
 
+VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
+
+
 class VideoPublic(BaseModel):
     """The OpenAI ``Video`` object."""
 
@@ -391,7 +402,7 @@ class VideoPublic(BaseModel):
     remixed_from_video_id: str | None = None
     seconds: str
     size: str
-    status: Literal["queued", "in_progress", "completed", "failed"]
+    status: VideoStatus
     error: VideoError | None
     has_audio: bool | None = Field(
         default=None, description="whether the video has a soundtrack; null until it is "
@@ -508,6 +519,12 @@ class RankPublic(BaseModel):
     stored_block_bytes: int | None = Field(
         default=None, description="the transformers' blocks as they are kept and moved (in "
                                   "weights_dtype), unsharded")
+    step_gathers: int | None = Field(
+        default=None, description="block gathers the rank's last step took part in (computing "
+                                  "or not)")
+    step_blocks_computed: int | None = Field(
+        default=None, description="transformer blocks the rank's last step computed, where its "
+                                  "pipeline has a step cache that counts them")
     adapter_bytes: int | None = Field(
         default=None, description="LoRA adapters loaded on the rank (their factors and device "
                                   "copies)")

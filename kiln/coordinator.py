@@ -545,9 +545,11 @@ class Coordinator:
     def _finish(self, st: Ended) -> None:
         """The attempt's final transition; one an outage stops is kept in ``unfinished`` and
         tried again every turn (the lease thread keeps its lease meanwhile)."""
-        ending = Ending(outcome=st.outcome, video_key=st.video_key,  # type: ignore[arg-type]
+        ending = Ending(outcome=st.outcome,  # type: ignore[arg-type]  # one of Ending's three
+                        video_key=st.video_key,
                         thumbnail_key=st.thumbnail_key, has_audio=st.has_audio, error=st.error,
-                        retryable=st.retryable)
+                        retryable=st.retryable, gathers=st.gathers,
+                        blocks_computed=st.blocks_computed)
         try:
             state = self.io.finish(st.job_id, st.attempt_token, ending)
         except Exception as exc:
@@ -645,7 +647,8 @@ class Coordinator:
         rank renders. They go back to the queue uncharged, now rather than when their leases
         lapse."""
         held = {t.attempt_token for t in self.tickets()}
-        held |= {m.attempt_token for m in (*self.writing.values(), *self.unfinished.values())}
+        held |= {m.attempt_token for m in self.writing.values()}
+        held |= {st.attempt_token for st in self.unfinished.values()}
         lost = Ending(outcome="failed", error="its claim's answer was lost in an outage",
                       code="claim_lost", retryable=True, charged=False)
         try:

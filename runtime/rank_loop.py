@@ -201,6 +201,11 @@ class Ended:
     error: str | None = None
     retryable: bool = False  # the worker, not the request, was at fault
     compute_seconds: float = 0.0
+    # What this attempt's steps cost on the replica's leader (`VideoPipeline.last_step_figures`):
+    # the block gathers it took part in, and the blocks it computed where a step cache counts
+    # them (None where none does).
+    gathers: int = 0
+    blocks_computed: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -236,6 +241,8 @@ class _Job:
     ticket: Ticket
     state: DenoiseState
     compute_seconds: float = 0.0  # spent in this attempt's steps
+    gathers: int = 0  # in this attempt's steps
+    blocks_computed: int | None = None  # in this attempt's steps, where a step cache counts
     resumed_from_step: int | None = None
     checkpointed_step: int = 0  # the step of its newest checkpoint (or where it started)
     checkpointed_at: float = 0.0  # monotonic
@@ -485,6 +492,10 @@ class RankLoop:
             self._failed_steps.append(job.ticket.job_id)
             return ended if self.leads else None
         job.compute_seconds += time.perf_counter() - started
+        figures = self.pipe.last_step_figures
+        job.gathers += figures.get("gathers", 0)
+        if "blocks_computed" in figures:
+            job.blocks_computed = (job.blocks_computed or 0) + figures["blocks_computed"]
         state = job.state
         if self.leads:
             self._log_step(job)
@@ -697,7 +708,8 @@ class RankLoop:
                        attempt_token=job.ticket.attempt_token, attempt=job.ticket.attempt,
                        step=s.step_index,
                        num_inference_steps=s.num_inference_steps,
-                       compute_seconds=job.compute_seconds, **kwargs)
+                       compute_seconds=job.compute_seconds, gathers=job.gathers,
+                       blocks_computed=job.blocks_computed, **kwargs)
         job_id = job.ticket.job_id
         if self.preview_every_steps:
             with self._writes:
@@ -839,6 +851,7 @@ class RankLoop:
                 "device_mem_used_bytes": total - free, "device_mem_total_bytes": total,
                 "host_mem_bytes": pss, "cgroup_mem_bytes": cgroup_memory_bytes(),
                 "job_id": self._job_id(), "pid": os.getpid(), **self.weight_figures(),
+                **{f"step_{k}": v for k, v in self.pipe.last_step_figures.items()},
                 **(self.adapters.figures() if self.adapters is not None else {})}
 
     def weight_figures(self) -> dict[str, int]:

@@ -35,6 +35,9 @@ class Ending:
     video_key: str | None = None  # succeeded: the stored video and thumbnail
     thumbnail_key: str | None = None
     has_audio: bool | None = None  # succeeded: whether the video has a soundtrack
+    # succeeded: what its steps cost (`storage.tables.Job.gathers`, ``blocks_computed``)
+    gathers: int | None = None
+    blocks_computed: int | None = None
     error: str | None = None  # failed: the reason a person can act on
     code: str = "render_failed"
     retryable: bool = False  # the worker, not the request, was at fault: the job may run again
@@ -55,7 +58,9 @@ def finish_attempt(session: Session, redis: Redis, prefix: str, job_id: str,
         done = lifecycle.finish_succeeded(session, job_id, attempt_token,
                                           video_key=ending.video_key,
                                           thumbnail_key=ending.thumbnail_key,
-                                          has_audio=ending.has_audio)
+                                          has_audio=ending.has_audio,
+                                          gathers=ending.gathers,
+                                          blocks_computed=ending.blocks_computed)
         state = JobState.SUCCEEDED if done else None
     elif ending.outcome == "cancelled":
         done = lifecycle.finish_cancelled(session, job_id, attempt_token)

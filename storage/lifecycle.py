@@ -269,20 +269,25 @@ def finish_succeeded(
     video_key: str,
     thumbnail_key: str | None = None,
     has_audio: bool | None = None,
+    gathers: int | None = None,
+    blocks_computed: int | None = None,
     now: datetime | None = None,
 ) -> bool:
     """running -> succeeded; False (nothing written) if this attempt is no longer current.
-    ``has_audio``: whether the stored video has a soundtrack (None: not said)."""
+    ``has_audio``: whether the stored video has a soundtrack (None: not said); ``gathers`` and
+    ``blocks_computed``: what the attempt's steps cost (None: not said)."""
     now = now or utcnow()
     started = session.scalar(
         select(Job.started_at).where(Job.id == job_id, Job.attempt_token == attempt_token)
     )
     job = _transition(
         session, job_id, attempt=attempt_token, event="succeeded",
-        detail=lambda job: {"render_seconds": job.render_seconds}, now=now,
+        detail=lambda job: {"render_seconds": job.render_seconds, "gathers": job.gathers,
+                            "blocks_computed": job.blocks_computed}, now=now,
         state=JobState.SUCCEEDED.value, finished_at=now, lease_expires_at=None,
         progress_step=Job.progress_total, output_video_key=video_key,
-        output_thumbnail_key=thumbnail_key, has_audio=has_audio,
+        output_thumbnail_key=thumbnail_key, has_audio=has_audio, gathers=gathers,
+        blocks_computed=blocks_computed,
         render_seconds=(now - started).total_seconds() if started is not None else None,
         error=None, error_code=None,
     )

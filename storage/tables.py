@@ -253,6 +253,11 @@ class Job(Base):
     started_at: Mapped[datetime | None]  # start of the latest attempt
     finished_at: Mapped[datetime | None]
     render_seconds: Mapped[float | None] = mapped_column(Float)  # of the successful attempt
+    # What the successful attempt's steps cost its replica: the block gathers it took part in
+    # (0 where no weights are gathered), and the blocks it computed where a step cache counts
+    # them (None where none does; fewer than blocks x forwards when the cache skipped some).
+    gathers: Mapped[int | None]
+    blocks_computed: Mapped[int | None]
     deleted_at: Mapped[datetime | None]  # hidden from users; the row stays for accounting
 
     output_video_key: Mapped[str | None] = mapped_column(String(255))

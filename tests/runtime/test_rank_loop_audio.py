@@ -25,6 +25,7 @@ class Pipe:
     """One step a job, frames of grey, and (``sound``) a soundtrack of a 440 Hz tone."""
 
     handles: list[Any] = []
+    last_step_figures: dict[str, int] = {}  # a step's counts (none here)
 
     def __init__(self, sound: bool) -> None:
         if sound:

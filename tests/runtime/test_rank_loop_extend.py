@@ -20,6 +20,7 @@ class OneStepPipe:
     """One step a job; decodes to 3 frames of value 200."""
 
     handles: list[Any] = []
+    last_step_figures: dict[str, int] = {}  # a step's counts (none here)
 
     def handles_needed(self, state: DenoiseState) -> list[bool]:
         return []

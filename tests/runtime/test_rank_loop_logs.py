@@ -24,6 +24,7 @@ PLATFORM = SimpleNamespace(mem_get_info=lambda: (1, 2), device="cpu", is_acceler
 
 class Pipe:
     handles: list[Any] = []
+    last_step_figures: dict[str, int] = {}  # a step's counts (none here)
 
     def handles_needed(self, state: DenoiseState) -> list[bool]:
         return []

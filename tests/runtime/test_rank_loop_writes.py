@@ -28,6 +28,7 @@ class CountingPipe:
     """Two steps a job, frames of zeros; counts the jobs it prepared (renders)."""
 
     handles: list[Any] = []  # no streamed transformer
+    last_step_figures: dict[str, int] = {}  # a step's counts (none here)
 
     def __init__(self) -> None:
         self.prepared: list[str] = []

@@ -320,3 +320,33 @@ def test_a_forward_that_raises_in_a_deciding_step_leaves_the_other_rank_renderin
     results = run_ranks(2, _failing_rank, block)
     assert results[0] is None
     np.testing.assert_array_equal(results[1], _tiny_alone(TINY_REQUESTS[1])[0])
+
+
+def test_a_jobs_end_and_the_ranks_status_count_its_gathers_and_computed_blocks():
+    """Through the service's rank loop: the job's final status carries the blocks its steps
+    computed (fewer at ``fast``, every one at ``exact``) and the gathers they took part in (none
+    on one rank), and the rank's status the last step's, as /v1/workers shows them."""
+    from runtime.platform import get_platform
+    from runtime.rank_loop import Ended, RankLoop, StepPlan, Ticket
+
+    pipe = TinyPipeline.load(device="cpu")
+    loop = RankLoop(0, pipe, lambda *a, **k: None, get_platform("cpu"))  # type: ignore[arg-type]
+    ends = {}
+    try:
+        for quality in ("exact", "fast"):
+            request = VideoRequest(prompt="waves at dusk", seed=2, width=64, height=64,
+                                   num_frames=9, num_inference_steps=12,
+                                   step_cache=tier_threshold("kiln-tiny", quality))
+            loop.apply(StepPlan(assign={0: Ticket(job_id=quality, attempt_token="t",
+                                                  request=request)}, step=True))
+            while loop.current is not None:
+                loop.step()
+                status = loop.report().memory
+                assert status["step_gathers"] == 0 and status["step_blocks_computed"] in (1, 4)
+            loop.reported()  # the turn's messages are out: its files are written
+            ends[quality] = next(e for e in loop.written(wait=30) if isinstance(e, Ended))
+    finally:
+        loop.close()
+        pipe.close()
+    assert ends["exact"].blocks_computed == 12 * 4 and ends["exact"].gathers == 0
+    assert ends["fast"].blocks_computed < ends["exact"].blocks_computed
