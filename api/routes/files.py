@@ -8,7 +8,7 @@ exist. Every upload is decoded and checked before it is stored (`api.uploads`).
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 from sqlalchemy.orm import Session
@@ -21,6 +21,7 @@ from api.errors import Refusal
 from api.schemas import PURPOSE_KINDS, FileDeleted, FileList, FilePublic
 from common.settings import Settings
 from storage import input_files
+from storage.media import Kind
 from storage.tables import InputFile, User
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -52,7 +53,7 @@ def file_public(row: InputFile, settings: Settings) -> FilePublic:
     return FilePublic(
         id=row.id, bytes=row.size_bytes, created_at=int(row.created_at.timestamp()),
         expires_at=expires, filename=row.filename, purpose=row.purpose,
-        kind=row.kind,  # type: ignore[arg-type]
+        kind=cast(Kind, row.kind),  # checked when it was stored
         content_type=row.content_type, width=row.width, height=row.height,
         num_frames=row.num_frames, duration_seconds=row.duration_seconds)
 

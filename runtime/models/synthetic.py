@@ -260,7 +260,7 @@ def _text_encoder(spec: SyntheticSpec, vocab_size: int, t5_class: str):  # noqa:
                         d_ff=2 * spec.text_dim, num_layers=spec.text_layers, num_heads=4,
                         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
                         # The config takes keys beyond its fields; its typed signature does not.
-                        decoder_start_token_id=0)  # type: ignore[call-arg]
+                        decoder_start_token_id=0)  # type: ignore[call-arg]  # an extra key
     return getattr(transformers, t5_class)(config).eval()
 
 
