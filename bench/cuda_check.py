@@ -21,7 +21,15 @@ Prints JSON (and writes it with ``--json PATH``) with the device (``device_name`
   time of each, per token count; skipped (with the reason) when fewer than 2 GPUs are visible;
 - gathers_per_step: the kiln-tiny pipeline at dp=1 with guidance on: blocks acquired per step
   (``handle.num_acquired``; one gather per block per step with CFG as one batch-2 forward, two
-  with ``cfg_batch=False``) and the step time of each, interleaved.
+  with ``cfg_batch=False``) and the step time of each, interleaved;
+- weights_dtypes: the DiT (default width 2048, 16 blocks, fp32: 3.2 GB) under DLO once per
+  weights dtype (``checkpoint``, ``bf16``, ``fp8``: ``runtime.dlo.cast``): the bytes each
+  copies and gathers per forward (``DLOHandle.bytes_moved``), its device buffers and host copy,
+  its output against checkpoint's, and forward time per token count, the three in turn (ABC),
+  median of reps, as ratios to checkpoint's;
+- quality_tiers: kiln-tiny's pipeline at each quality tier (``common.quality``), 12 prompts at
+  30 steps, each prompt exact and at every caching tier in turn: blocks computed per job, the
+  frames' PSNR and SSIM against exact's (``bench/step_cache.py``'s) and wall time per job.
 
 kiln-tiny's transformer makes its position and timestep tables with factory calls that take no
 device, so its steps and forwards run under ``with torch.device(dev)`` here.
@@ -29,9 +37,9 @@ device, so its steps and forwards run under ``with torch.device(dev)`` here.
 Usage: torchrun --nproc-per-node 1 bench/cuda_check.py   (or plain python: it inits itself)
            [--width 2048] [--blocks 16] [--tokens 1024,4096,16384,32768] [--reps 10]
            [--json PATH]
-       python bench/cuda_check.py --dry-run   (no GPU: the steptime, sp2 and gathers_per_step
-       cases on the CPU over gloo, small sizes, to check that they run; link and profile are
-       reported as skipped)
+       python bench/cuda_check.py --dry-run   (no GPU: the steptime, sp2, gathers_per_step,
+       weights_dtypes and quality_tiers cases on the CPU over gloo, small sizes, to check that
+       they run, in under a minute; link and profile are reported as skipped)
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.dit import DiT, block_bytes  # noqa: E402
+from runtime.budget import WEIGHTS_DTYPES  # noqa: E402
 from runtime.dlo import apply_dlo  # noqa: E402
 
 PROFILE = {"width": 3072, "tokens": 8192, "blocks": 12}
@@ -365,6 +374,131 @@ def gathers_check(device: torch.device, sizes: list[tuple[int, int, int]], steps
     return report
 
 
+def weights_dtypes(device: torch.device, width: int, blocks: int, tokens: list[int], reps: int,
+                   dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The DiT under DLO (allgather, every block streamed) once per weights dtype, the same
+    weights in each: per dtype the bytes copied and gathered per forward, the device buffers,
+    the host copy and the output's largest difference from checkpoint's over its largest value;
+    per token count a warm-up of each, then ``reps`` forwards of each in turn (ABC), each between
+    two synchronizes; a figure is the median, its ratio checkpoint's."""
+    torch.manual_seed(0)
+    base = DiT(width, blocks, dtype).eval().requires_grad_(False)
+    models: dict[str, torch.nn.Module] = {}
+    handles = {}
+    for name in WEIGHTS_DTYPES:
+        models[name] = copy.deepcopy(base)
+        handles[name] = apply_dlo(models[name], device=device, use_allgather=True,
+                                  weights_dtype=name)
+    del base
+    report: dict[str, Any] = {
+        "width": width, "blocks": blocks, "dtype": str(dtype).removeprefix("torch."),
+        "model_bytes": block_bytes(width, dtype) * blocks, "reps": reps,
+        "dtypes": list(WEIGHTS_DTYPES), "per_dtype": {}, "points": []}
+    errors = dict.fromkeys(WEIGHTS_DTYPES, 0.0)
+    moved: dict[str, tuple[int, int]] = {}
+    try:
+        with torch.no_grad():
+            for n in tokens:
+                x = torch.randn(1, n, 64, generator=torch.Generator().manual_seed(n)).to(
+                    device, dtype)
+                outputs = {name: model(x) for name, model in models.items()}  # warm-ups
+                scale = float(outputs["checkpoint"].abs().max())
+                for name, out in outputs.items():
+                    diff = float((out - outputs["checkpoint"]).abs().max()) / scale
+                    errors[name] = max(errors[name], diff)
+                del outputs
+                times: dict[str, list[float]] = {name: [] for name in WEIGHTS_DTYPES}
+                for _ in range(reps):
+                    for name, model in models.items():
+                        before = handles[name].bytes_moved
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        model(x)
+                        _sync(device)
+                        times[name].append(time.perf_counter() - t0)
+                        after = handles[name].bytes_moved
+                        moved[name] = (after[0] - before[0], after[1] - before[1])
+                median = {name: statistics.median(v) for name, v in times.items()}
+                report["points"].append({
+                    "tokens": n, "seconds": {k: round(v, 6) for k, v in median.items()},
+                    "ratio_to_checkpoint": {k: round(v / median["checkpoint"], 3)
+                                            for k, v in median.items()}})
+        for name, handle in handles.items():
+            stats = handle.stats()
+            report["per_dtype"][name] = {
+                "bytes_copied_per_forward": moved[name][0],
+                "bytes_gathered_per_forward": moved[name][1],
+                **{k: stats[k] for k in ("stored_block_bytes", "host_shard_bytes",
+                                         "device_weight_buffer_bytes", "compute_buffer_bytes")},
+                "max_rel_error_vs_checkpoint": errors[name]}
+    finally:
+        for handle in handles.values():
+            handle.close()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return report
+
+
+def quality_tiers(device: torch.device, prompts: int, steps: int) -> dict[str, Any]:
+    """kiln-tiny's pipeline on ``device``, bench/step_cache.py's first ``prompts`` prompts, each
+    exact and at every caching tier (``common.quality``) in turn after one warm-up job: blocks
+    computed per job (mean over the prompts), the frames' PSNR and SSIM against exact's (mean and
+    least over the prompts) and a job's wall time (mean), each against exact's."""
+    from bench.step_cache import PROMPTS, psnr, ssim
+    from common.quality import QUALITIES, TIERS, tier_threshold
+    from runtime.pipelines.base import VideoRequest, agree_handles
+    from runtime.pipelines.tiny import TinyPipeline
+
+    family = "kiln-tiny"
+    pipe = TinyPipeline.load(device=device)
+    cache = pipe.step_caches[0]
+    assert cache is not None
+
+    def job(request: VideoRequest) -> tuple[Any, int, float]:
+        before = cache.num_blocks_computed
+        state = pipe.prepare(request)  # outside the device context, as gathers_check
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.device(device):
+            while not state.done:
+                pipe.step(state, agree_handles(pipe, state))
+            frames = pipe.decode(state)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        return frames.float().cpu().numpy(), cache.num_blocks_computed - before, seconds
+
+    figures: dict[str, dict[str, list[float]]] = {
+        q: {"blocks": [], "seconds": [], "psnr": [], "ssim": []} for q in QUALITIES}
+    try:
+        job(VideoRequest(prompt="a warm-up", num_inference_steps=steps))
+        for i, prompt in enumerate(PROMPTS[:prompts]):
+            frames = {}
+            for quality in QUALITIES:
+                frames[quality], blocks, seconds = job(VideoRequest(
+                    prompt=prompt, seed=i, num_inference_steps=steps,
+                    step_cache=tier_threshold(family, quality)))
+                figures[quality]["blocks"].append(blocks)
+                figures[quality]["seconds"].append(seconds)
+                figures[quality]["psnr"].append(psnr(frames[quality], frames["exact"]))
+                figures[quality]["ssim"].append(ssim(frames[quality], frames["exact"]))
+    finally:
+        pipe.close()
+    exact = figures["exact"]
+    report: dict[str, Any] = {"model": family, "prompts": prompts, "steps": steps,
+                              "thresholds": TIERS[family], "tiers": {}}
+    for quality, f in figures.items():
+        report["tiers"][quality] = {
+            "blocks": statistics.mean(f["blocks"]),
+            "fewer_by": round(statistics.mean(exact["blocks"]) / statistics.mean(f["blocks"]),
+                              3),
+            "psnr_mean": round(statistics.mean(f["psnr"]), 2), "psnr_min": round(min(f["psnr"]), 2),
+            "ssim_mean": round(statistics.mean(f["ssim"]), 4), "ssim_min": round(min(f["ssim"]), 4),
+            "wall_s": round(statistics.mean(f["seconds"]), 5),
+            "wall_over_exact": round(statistics.mean(f["seconds"])
+                                     / statistics.mean(exact["seconds"]), 3)}
+    return report
+
+
 def _init_world(backend: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29611")
@@ -394,6 +528,8 @@ def dry_run() -> dict[str, Any]:
         "sp2": sp2_check("cpu", [(1, 12, 3, 8, 8), (1, 12, 3, 6, 6)], reps=1),
         "gathers_per_step": gathers_check(torch.device("cpu"), [(64, 64, 9)], steps=2,
                                           passes=1),
+        "weights_dtypes": weights_dtypes(torch.device("cpu"), 128, 2, [16, 64], reps=2),
+        "quality_tiers": quality_tiers(torch.device("cpu"), prompts=2, steps=12),
     }
     dist.destroy_process_group()
     return report
@@ -403,10 +539,13 @@ def main() -> None:
     started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true",
-                        help="run the steptime, sp2 and gathers_per_step cases on the CPU "
-                        "(gloo), small; the steptime options do not apply")
-    parser.add_argument("--width", type=int, default=2048, help="steptime: the DiT's width")
-    parser.add_argument("--blocks", type=int, default=16, help="steptime: the DiT's blocks")
+                        help="run the steptime, sp2, gathers_per_step, weights_dtypes and "
+                        "quality_tiers cases on the CPU (gloo), small; the steptime options do "
+                        "not apply")
+    parser.add_argument("--width", type=int, default=2048,
+                        help="steptime and weights_dtypes: the DiT's width")
+    parser.add_argument("--blocks", type=int, default=16,
+                        help="steptime and weights_dtypes: the DiT's blocks")
     parser.add_argument("--tokens", default="1024,4096,16384,32768",
                         help="steptime: token counts, comma-separated")
     parser.add_argument("--reps", type=int, default=10, help="steptime: forwards per mode")
@@ -447,6 +586,10 @@ def gpu_run(width: int, blocks: int, tokens: list[int], reps: int) -> dict[str, 
                                   (1, 12, 17, 64, 64)], reps=10),
         "gathers_per_step": gathers_check(device, [(64, 64, 9), (256, 256, 17), (512, 512, 33)],
                                           steps=4, passes=5),
+        # fp32, so that bf16 halves the blocks and fp8 quarters them.
+        "weights_dtypes": weights_dtypes(device, width, blocks, [1024, 4096, 16384], reps,
+                                         dtype=torch.float32),
+        "quality_tiers": quality_tiers(device, prompts=12, steps=30),
     }
     dist.destroy_process_group()
     return report

@@ -1,7 +1,8 @@
 """The report's GPU section from ``bench/cuda_check.py``'s JSON: the device, DLO's weight memory
 against its bound, its prefetch rate against the link's, the share of the transfers hidden behind
-compute, step time against a resident copy per token count (with a plot), and the sp=2 and
-guidance cases, or the reason each was skipped. Every figure is the JSON's.
+compute, step time against a resident copy per token count (with a plot), the sp=2 and guidance
+cases, the weights dtypes' bytes and step time and the quality tiers' blocks and frames, or the
+reason each was skipped. Every figure is the JSON's.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def cuda_section(result: dict[str, Any], plot_dir: Path, report_dir: Path) -> li
                        plot_dir, report_dir)
     lines += _sp2(result.get("sp2"))
     lines += _gathers(result.get("gathers_per_step"))
+    lines += _weights_dtypes(result.get("weights_dtypes"))
+    lines += _quality_tiers(result.get("quality_tiers"))
     return lines
 
 
@@ -230,4 +233,57 @@ def _gathers(gathers: dict[str, Any] | None) -> list[str]:
                      f"{one['s_per_step'] * 1e3:.2f} | {two['s_per_step'] * 1e3:.2f} | "
                      f"{row['two_forwards_over_cfg_batch']:.3f} | "
                      f"{row['latents_max_abs_diff']:.2e} |")
+    return lines + [""]
+
+
+def _weights_dtypes(wd: dict[str, Any] | None) -> list[str]:
+    lines = ["### Weights dtypes", ""]
+    if (why := _skipped(wd)) is not None:
+        return lines + [f"Skipped: {why}.", ""]
+    assert wd is not None
+    dtypes = wd["dtypes"]
+    lines += [f"The DiT of `bench/dit.py` ({wd['blocks']} blocks of width {wd['width']}, "
+              f"{wd['dtype']}, {_gb(wd['model_bytes'])} GB) under DLO, every block streamed, "
+              "once per weights dtype (the blocks kept, copied and gathered in it, upcast "
+              "before each block runs); forwards of the three in turn, median of "
+              f"{wd['reps']} each. Bytes per forward: the engine's count "
+              "(`DLOHandle.bytes_moved`); error: the output's largest difference from "
+              "checkpoint's over its largest value.", "",
+              "| weights dtype | copied per forward GB | gathered per forward GB | device "
+              "buffers GB | host copy GB | error |", "|---|---:|---:|---:|---:|---:|"]
+    for name in dtypes:
+        f = wd["per_dtype"][name]
+        lines.append(f"| {name} | {_gb(f['bytes_copied_per_forward'])} | "
+                     f"{_gb(f['bytes_gathered_per_forward'])} | "
+                     f"{_gb(f['device_weight_buffer_bytes'])} | {_gb(f['host_shard_bytes'])} | "
+                     f"{f['max_rel_error_vs_checkpoint']:.1e} |")
+    lines += ["", "| tokens | " + " | ".join(f"{d} ms" for d in dtypes) + " | "
+              + " | ".join(f"{d} / checkpoint" for d in dtypes[1:]) + " |",
+              "|---:|" + "---:|" * (2 * len(dtypes) - 1)]
+    for p in wd["points"]:
+        lines.append(f"| {p['tokens']} | "
+                     + " | ".join(f"{p['seconds'][d] * 1e3:.2f}" for d in dtypes) + " | "
+                     + " | ".join(f"{p['ratio_to_checkpoint'][d]:.3f}" for d in dtypes[1:])
+                     + " |")
+    return lines + [""]
+
+
+def _quality_tiers(qt: dict[str, Any] | None) -> list[str]:
+    lines = ["### Quality tiers (kiln-tiny)", ""]
+    if (why := _skipped(qt)) is not None:
+        return lines + [f"Skipped: {why}.", ""]
+    assert qt is not None
+    thresholds = qt["thresholds"]
+    lines += [f"{qt['model']}'s pipeline on the device, {qt['prompts']} prompts at "
+              f"{qt['steps']} steps, each exact and at every caching tier in turn: blocks "
+              "computed per job, the frames' PSNR and SSIM against exact's (mean · least over "
+              "the prompts) and a job's wall time, as `bench/step_cache.py` measures them on "
+              "the CPU.", "",
+              "| tier | threshold | blocks a job | fewer than exact | PSNR dB | SSIM | wall ms | "
+              "wall / exact |", "|---|---:|---:|---:|---|---|---:|---:|"]
+    for tier, f in qt["tiers"].items():
+        lines.append(f"| {tier} | {thresholds.get(tier, '-')} | {f['blocks']:.1f} | "
+                     f"{f['fewer_by']:.2f}x | {f['psnr_mean']:.1f} · {f['psnr_min']:.1f} | "
+                     f"{f['ssim_mean']:.4f} · {f['ssim_min']:.4f} | {f['wall_s'] * 1e3:.1f} | "
+                     f"{f['wall_over_exact']:.3f} |")
     return lines + [""]
