@@ -10,7 +10,10 @@ choice (``bench/steptime.py``), cold start at dp 1, 2
 and 4 (``bench/coldstart.py``) and the memory model fitted to it, device weight buffers against
 depth (``bench/buffers.py``), request tiling
 (``bench/tiling.py``), jobs per hour at dp 1 and 2, kiln's admission against waves and dp=2
-against sp=2 (``bench/layouts.py``), step time with LoRA adapters (``bench/adapters.py``), a
+against sp=2 (``bench/layouts.py``), step time with LoRA adapters (``bench/adapters.py``), bytes
+and steps (host memory, bytes moved and step time per weights dtype: ``bench/weights_dtype.py``,
+``bench/steptime_dtype.py``; the quality tiers' blocks, time and frames against exact:
+``bench/step_cache.py``; the gathers two replicas skip at them: ``bench/gathers.py --tiers``), a
 short soak
 (``bench/chaos.py``) and the service
 (``bench/submit.py``, ``bench/service_latency.py``, ``bench/scheduler_claim.py``; they need
@@ -26,6 +29,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench import steptime  # noqa: E402
+from bench import step_cache, steptime  # noqa: E402
 from bench.cuda_report import cuda_missing_section, cuda_section  # noqa: E402
 from runtime.planner import extrapolate_memory, machine_description  # noqa: E402
 
@@ -169,6 +173,20 @@ SCRIPTS: dict[str, tuple[list[str], list[str] | None]] = {
                  ["adapters.py", "--tokens", "64,128", "--width", "256", "--reps", "1",
                   "--tiny-sizes", "64x64x9", "--replica-size", "64x64x9", "--replica-reps", "1",
                   "--json", "{json}"]),
+    # Bytes and steps: host memory and bytes moved per weights dtype (a random 1 GB Wan
+    # checkpoint written under {tmp}; three rank sets loading it, a minute at any size: not in
+    # --quick), step time per dtype, the quality tiers' curve and the gathers two replicas
+    # skip at them.
+    "weights_dtype": (["weights_dtype.py", "--make", "--model", "{tmp}/wan"], None),
+    "steptime_dtype": (["steptime_dtype.py", "--json", "{json}"],
+                       ["steptime_dtype.py", "--tokens", "32,64", "--width", "256", "--blocks",
+                        "2", "--reps", "1", "--passes", "1", "--json", "{json}"]),
+    "step_cache": (["step_cache.py", "--reps", "3", "--json", "{json}"],
+                   ["step_cache.py", "--prompts", "2", "--steps", "8", "--reps", "1",
+                    "--thresholds", "0.3", "--json", "{json}"]),
+    "gathers_tiers": (["gathers.py", "--tiers", "--reps", "3", "--json", "{json}"],
+                      ["gathers.py", "--tiers", "--steps", "6", "--reps", "1", "--json",
+                       "{json}"]),
     # The GPU check: only with --device cuda (its --dry-run runs the same code on the CPU).
     "cuda": (["cuda_check.py", "--json", "{json}"],
              ["cuda_check.py", "--dry-run", "--json", "{json}"]),
@@ -189,9 +207,12 @@ def run_script(name: str, out: Path, quick: bool) -> dict[str, Any]:
     chosen = small if quick else full
     assert chosen is not None, f"{name} does not run with --quick"
     dest = out / f"{name}.json"
-    argv = [a.replace("{json}", str(dest)) for a in chosen]
-    proc = subprocess.run([sys.executable, str(BENCH / argv[0]), *argv[1:]], text=True,
-                          capture_output=True, cwd=BENCH.parent)
+    # {tmp}: a directory of the run's own (a checkpoint the script writes), gone after it.
+    with tempfile.TemporaryDirectory(prefix=f"kiln-bench-{name}-") as tmp:
+        argv = [a.replace("{json}", str(dest)).replace("{tmp}", tmp) for a in chosen]
+        proc = subprocess.run([sys.executable, str(BENCH / argv[0]), *argv[1:]], text=True,
+                              capture_output=True, cwd=BENCH.parent)
+        argv = [a.replace(tmp, "DIR") for a in argv]
     wrote = "{json}" in chosen and dest.is_file()
     # A soak that found a fault exits 1 with its figures written: that is a finding to report.
     if proc.returncode != 0 and not wrote:
@@ -584,6 +605,211 @@ def _adapters_section(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
+def _mb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e6:.1f}"
+
+
+def _steptime_dtype_plot(result: dict[str, Any], path: Path) -> None:
+    """Each cast dtype's forward time over checkpoint's against tokens: wall time solid, CPU
+    time dashed, one colour per dtype."""
+    tokens = [p["tokens"] for p in result["points"]]
+    fig, ax = plt.subplots(figsize=(9, 4.2), dpi=110)
+    for colour, dtype in zip(("tab:blue", "tab:red", "tab:green"),
+                             (d for d in result["dtypes"] if d != result["base"]), strict=False):
+        for key, style, what in (("ratio_to_checkpoint", "-", "wall time"),
+                                 ("cpu_ratio_to_checkpoint", "--", "CPU time")):
+            ax.plot(tokens, [p[key][dtype] for p in result["points"]], marker="o",
+                    color=colour, linestyle=style, label=f"{dtype}, {what}")
+    ax.axhline(1.0, color="grey", linewidth=0.8, label=f"{result['base']} (fp32 blocks)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("forward time / checkpoint dtype's")
+    ax.set_title(f"two ranks, kiln allgather, DiT width {result['width']} x "
+                 f"{result['blocks']} blocks, fp32 ({result['model_bytes'] / 1e9:.2f} GB)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _weights_dtype_lines(wd: dict[str, Any]) -> list[str]:
+    command = wd.get("command", "python bench/weights_dtype.py --make --model DIR")
+    lines = ["### Bytes moved per step and host memory, per weights dtype", "",
+             f"A random fp32 Wan checkpoint of {wd['checkpoint_bytes'] / 1e9:.2f} GB on "
+             f"{wd['dp']} CPU ranks (dp={wd['dp']}, allgather, every block streamed), loaded "
+             "once per weights dtype, one denoising step on each rank "
+             f"(`{command}`{_measured(wd)}). Bytes: what rank 0's engine gathered and "
+             "copied over the step (`DLOHandle.bytes_moved`). Host memory: the ranks' summed "
+             "PSS after the step less the same ranks' before they load anything (torch, the "
+             "pipelines' code, a process group). On the CPU it holds the engine's device "
+             "buffers too (two slots, and the compute buffer a cast block is upcast into), "
+             "which on an accelerator live on the device; the column beside leaves them out.",
+             "", "| weights dtype | gathered per step MB | copied per step MB | gathered over "
+             "checkpoint's | rank 0's host shard MB | host memory GB | of it device buffers "
+             "GB | host less device buffers GB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for dtype, r in wd["runs"].items():
+        lines.append(f"| {dtype} | {_mb(r['bytes_gathered_per_step'])} | "
+                     f"{_mb(r['bytes_copied_per_step'])} | "
+                     f"{r['bytes_gathered_per_step_over_checkpoint']:.3f} | "
+                     f"{_mb(r['host_shard_bytes'])} | {r['host_bytes'] / 1e9:.2f} | "
+                     f"{r['device_buffer_bytes'] / 1e9:.2f} | "
+                     f"{r['host_bytes_less_device_buffers'] / 1e9:.2f} |")
+    lines.append("")
+    for dtype, fall in wd["falls"].items():
+        host, less = fall["host_bytes"], fall["host_bytes_less_device_buffers"]
+        def held(figure: dict[str, Any], target: float = fall["target"]) -> str:
+            return f"{'meets' if figure['meets_target'] else 'short of'} its {target:.0%} target"
+
+        lines.append(f"- {dtype}: host memory {host['fall']:.1%} below checkpoint's "
+                     f"({held(host)}); less the device buffers, {less['fall']:.1%} "
+                     f"({held(less)}).")
+    return lines + [""]
+
+
+def _steptime_dtype_lines(st: dict[str, Any], plot: str) -> list[str]:
+    dtypes = [d for d in st["dtypes"] if d != st["base"]]
+    per = st["per_dtype"]
+    engine = ""
+    if st.get("source", {}).get("engine_modified"):
+        engine = (f" The engine measured is commit {st['source']['commit']}'s with changes to "
+                  "runtime/dlo not yet committed then.")
+    lines = ["### Step time against tokens, per weights dtype", "",
+             f"Two CPU ranks ({st['backend']}, {st['threads_per_rank']} torch thread each) "
+             f"build the DiT of `bench/dit.py` ({st['blocks']} blocks of width {st['width']}, "
+             f"fp32, {st['model_bytes'] / 1e9:.2f} GB) once and put a copy of it under kiln "
+             f"allgather per weights dtype; each rank runs its own input, as a dp=2 replica "
+             f"does (`{st['command']}`{_measured(st)}). The three run in rotation at each "
+             f"token count, every forward from a barrier; a figure is the median of "
+             f"{st['reps']} forwards, the slower rank's, best of {st['passes']} passes, over "
+             "checkpoint's in the same pass (checkpoint: the blocks as the model has them, "
+             "the engine before the option). Wall time, and the CPU time the rank process "
+             "spent (compute, the transfer thread, gloo's), which other processes' load on "
+             f"the machine disturbs least.{engine}", "",
+             f"![step time per weights dtype]({plot})", "",
+             "| tokens | checkpoint s | " + " | ".join(f"{d} (wall · CPU)" for d in dtypes)
+             + " |", "|---:|---:|" + "---|" * len(dtypes)]
+    for p in st["points"]:
+        lines.append(f"| {p['tokens']} | {p['seconds'][st['base']]:.3f} | " + " | ".join(
+            f"{p['ratio_to_checkpoint'][d]:.3f} · {p['cpu_ratio_to_checkpoint'][d]:.3f}"
+            for d in dtypes) + " |")
+    lines += ["", "Per forward, rank 0's engine gathered " + ", ".join(
+        f"{_mb(f['bytes_gathered_per_forward'])} MB in {d} "
+        f"({f['bytes_gathered_over_checkpoint']:.3f}x)" for d, f in per.items())
+        + "; the output's largest difference from checkpoint's, over its largest value: "
+        + ", ".join(f"{per[d]['max_rel_error_vs_checkpoint']:.1e} in {d}" for d in dtypes)
+        + ".", ""]
+    return lines
+
+
+def _tiers_lines(sc: dict[str, Any], plot: str) -> list[str]:
+    tiers = step_cache.tier_points(sc)
+    tier_of = {p["threshold"]: t for t, p in tiers.items()}
+    exact = sc["exact"]
+    lines = ["### Quality tiers: blocks, time and frames against exact", "",
+             f"{sc['model']}, {sc['prompts']} prompts at {sc['steps']} steps ({sc['size']}) on "
+             f"one CPU rank of {sc['threads']} torch thread, each prompt exact and at every "
+             f"first-block cache threshold in turn, {_times(sc['reps'])} (`{sc['command']}`"
+             f"{_measured(sc)}). Blocks: computed per job, mean over the prompts. Wall time: a "
+             "job's, prepare to decoded frames, the median of its runs, mean over the "
+             "prompts. PSNR: the frames (floats in [0, 1], peak 1) against exact's, 100 dB "
+             "when identical. SSIM: an 11x11 Gaussian window (sigma 1.5) per frame and "
+             "channel, mean over positions, channels and frames. Mean and least over the "
+             "prompts. The curve the tiers' thresholds (`common.quality.TIERS`) are chosen "
+             "from, with them marked:", "", f"![quality tiers]({plot})", "",
+             "| tier | threshold | blocks a job | fewer than exact | wall s | wall / exact | "
+             "PSNR dB, mean · least | SSIM, mean · least |",
+             "|---|---:|---:|---:|---:|---:|---|---|",
+             f"| exact | - | {exact['blocks']:.1f} | 1.00x | {exact['wall_s']:.3f} | 1.000 | "
+             "identical | identical |"]
+    for tier, p in tiers.items():
+        lines.append(f"| {tier} | {p['threshold']:g} | {p['blocks']:.1f} | "
+                     f"{p['fewer_by']:.2f}x | {p['wall_s']:.3f} | {p['wall_over_exact']:.3f} | "
+                     f"{p['psnr_mean']:.1f} · {p['psnr_min']:.1f} | "
+                     f"{p['ssim_mean']:.4f} · {p['ssim_min']:.4f} |")
+    lines += ["", "Every threshold measured:", "",
+              "| threshold | tier | blocks a job | fewer than exact | wall / exact | PSNR dB, "
+              "mean · least | SSIM, mean · least |", "|---:|---|---:|---:|---:|---|---|"]
+    for p in sc["points"]:
+        lines.append(f"| {p['threshold']:g} | {tier_of.get(p['threshold'], '')} | "
+                     f"{p['blocks']:.1f} | {p['fewer_by']:.2f}x | {p['wall_over_exact']:.3f} | "
+                     f"{p['psnr_mean']:.1f} · {p['psnr_min']:.1f} | "
+                     f"{p['ssim_mean']:.4f} · {p['ssim_min']:.4f} |")
+    return lines + [""]
+
+
+def _gathers_tiers_lines(gt: dict[str, Any]) -> list[str]:
+    pairings = gt["pairings"]
+    exact = pairings[0]
+    lines = ["### Gathers skipped at dp=2 on a mixed load", "",
+             f"{gt['model']} at dp={gt['dp']} ({gt['mode']}, {gt['backend']}, "
+             f"{gt['threads_per_rank']} torch thread a rank): the two replicas render "
+             "`bench/step_cache.py`'s prompts two at a time "
+             f"({gt['jobs_per_replica']} jobs each, {gt['size']}, {gt['steps']} steps), the "
+             f"pair at each pairing of tiers in turn, {_times(gt['reps'])} "
+             f"(`{gt['command']}`{_measured(gt)}). A block is gathered unless both "
+             "replicas skip it: a step whose forwards both jobs take from their caches "
+             "gathers the first block only. Gathers: the blocks a job's replica acquired, each "
+             "one a gather (both replicas take part in every gather), mean over the jobs "
+             "(least and most beside it); wall time: the group's per job (its slower rank's, "
+             "the median of the runs), mean over the jobs.", "",
+             "| replica 0's job | replica 1's job | gathers a job (least - most) | skipped | "
+             "over both exact | blocks computed (0 · 1) | wall s | wall / both exact |",
+             "|---|---|---:|---:|---:|---|---:|---:|"]
+    for p in pairings:
+        blocks = " · ".join(f"{b:g}" for b in p["blocks_computed_per_job"])
+        lines.append(f"| {p['tiers'][0]} | {p['tiers'][1]} | {p['gathers_per_job']:g} "
+                     f"({p['gathers_min']} - {p['gathers_max']}) | "
+                     f"{p['gathers_skipped_per_job']:g} | {p['gathers_over_exact']:.3f} | "
+                     f"{blocks} | {p['wall_s']:.3f} | {p['wall_over_exact']:.3f} |")
+    beside = [p for p in pairings if "exact" in p["tiers"] and p is not exact]
+    if beside and all(p["gathers_per_job"] == exact["gathers_per_job"] for p in beside):
+        lines += ["", "A caching job beside an exact one skips no gather "
+                  f"({beside[0]['gathers_per_job']:g} a job, as both exact): the exact replica "
+                  "computes every block of every step, and the other joins its gathers. The "
+                  "wall times are measured, not broken down here."]
+    return lines + [""]
+
+
+def _bytes_and_steps_section(out: Path, report_dir: Path) -> list[str]:
+    """Bytes and steps: the weights dtypes' bytes, memory and step time, the quality tiers'
+    blocks, time and frames, and the gathers two replicas skip at them; from whichever of
+    their JSON files are under ``out``."""
+    def load(name: str) -> dict[str, Any] | None:
+        path = out / f"{name}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    wd, st, sc, gt = (load(n) for n in ("weights_dtype", "steptime_dtype", "step_cache",
+                                        "gathers_tiers"))
+    if not any((wd, st, sc, gt)):
+        return []
+    info = json.loads((out / "machine.json").read_text())
+    lines = ["## Bytes and steps", "",
+             "What storing the blocks in a narrower dtype (`--weights-dtype`: "
+             "`runtime.dlo.cast`) and caching steps (the quality tiers: `common.quality`, "
+             "`runtime.step_cache`) save. Measured on this machine "
+             f"({info['cpu']}, {info['cores']} CPU cores); each benchmark's command is below, "
+             "with when it ran and the machine's load average then where it records them, "
+             "and every figure is from that run's JSON.", ""]
+    if wd is not None:
+        lines += _weights_dtype_lines(wd)
+    if st is not None:
+        plot = out / "steptime_dtype.png"
+        _steptime_dtype_plot(st, plot)
+        lines += _steptime_dtype_lines(st, os.path.relpath(plot, report_dir))
+    if sc is not None:
+        plot = out / "step_cache.png"
+        step_cache.plot(sc, plot)
+        lines += _tiers_lines(sc, os.path.relpath(plot, report_dir))
+    if gt is not None:
+        lines += _gathers_tiers_lines(gt)
+    return lines
+
+
 def _soak_section(soak: dict[str, Any]) -> list[str]:
     states = ", ".join(f"{k} {v}" for k, v in soak["states"].items())
     faults = ", ".join(f"{k} {v}" for k, v in soak["faults"].items())
@@ -756,6 +982,7 @@ def write_report(out: Path, report: Path) -> None:
         lines += _overnight_section(json.loads((out / "overnight.json").read_text()))
     if (out / "adapters.json").is_file():
         lines += _adapters_section(json.loads((out / "adapters.json").read_text()))
+    lines += _bytes_and_steps_section(out, report.parent)
     if (out / "soak.json").is_file():
         lines += _soak_section(json.loads((out / "soak.json").read_text()))
     if all((out / f"{n}.json").is_file() for n in ("submit", "service_latency", "claim")):

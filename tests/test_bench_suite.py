@@ -36,14 +36,14 @@ def test_the_quick_suite_writes_json_a_plot_and_a_report_from_them(tmp_path: Pat
         assert pick["ratio_to_resident"] == p["ratio_to_resident"][pick["measured_as"]]
         assert f"{pick['layout']} ({pick['measured_as']}: {pick['ratio_to_resident']:.3f})" in text
     for name in ("coldstart", "buffers", "tiling", "layouts", "submit", "service_latency",
-                 "claim", "adapters"):
+                 "claim", "adapters", "steptime_dtype", "step_cache", "gathers_tiers"):
         assert json.loads((out / f"{name}.json").read_text())["command"].startswith(
             "python bench/"), name
-    for plot in ("coldstart", "buffers", "tiling", "throughput"):
+    for plot in ("coldstart", "buffers", "tiling", "throughput", "steptime_dtype", "step_cache"):
         assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for title in ("## Cold start", "## The memory model", "## Device weight buffers",
-                  "## Request tiling", "## Throughput and layouts", "## Adapters", "## Service",
-                  "## GPU"):
+                  "## Request tiling", "## Throughput and layouts", "## Adapters",
+                  "## Bytes and steps", "## Service", "## GPU"):
         assert title in text
     adapters = json.loads((out / "adapters.json").read_text())
     for p in adapters["dit"]["points"]:  # each row is the JSON's figures
@@ -92,6 +92,14 @@ def test_the_gpu_section_is_written_from_the_gpu_checks_json(tmp_path: Path) -> 
     assert "A dry run on the CPU" in text
     for p in cuda["steptime"]["points"]:
         assert f"| {p['tokens']} | " in text
+    dtypes = cuda["weights_dtypes"]
+    assert dtypes["dtypes"] == ["checkpoint", "bf16", "fp8"]
+    for p in dtypes["points"]:  # each row is the JSON's figures
+        assert (f"| {p['tokens']} | {p['seconds']['checkpoint'] * 1e3:.2f} | "
+                f"{p['seconds']['bf16'] * 1e3:.2f} |") in text
+    tiers = cuda["quality_tiers"]["tiers"]
+    assert set(tiers) == {"exact", "balanced", "fast"} and tiers["exact"]["fewer_by"] == 1
+    assert "### Weights dtypes" in text and "### Quality tiers (kiln-tiny)" in text
     assert (tmp_path / "results" / "cuda_steptime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
