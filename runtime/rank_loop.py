@@ -5,7 +5,9 @@ Two ways to turn (`run_loop`): in lock-step, below, where a step gathers weights
 (`_own_pace_turns`), where nothing is gathered (rank-local weights, every block resident): each
 replica then steps its own job as fast as it goes, its orders and reports going through queues
 on the group's store (`runtime.mailbox`) and rank 0's coordinator running on a thread of its
-own. The same `GroupDriver`, `StepPlan` and messages serve both.
+own; a replica of one rank looks at its orders between the modules of a step too, and leaves the
+step part-way for orders that want it now (`_Interrupt`: a preemption waits for a layer, not a
+step). The same `GroupDriver`, `StepPlan` and messages serve both.
 
 In lock-step:
 
@@ -143,10 +145,11 @@ class StepPlan:
     abandon: list[str] = field(default_factory=list)
     stop: bool = False  # leave the loop (every rank)
     step: bool = False  # some rank has a job: every rank runs one step
-    # Replicas at their own pace: these replicas stop at their next step boundary, report
-    # (`RankReport.waiting`) and wait up to HOLD_SECONDS for their next orders before they step
-    # again: a job about to be claimed for them (an interactive one that preempts their batch
-    # job) then starts at once rather than after a step it arrived in the middle of.
+    # Replicas at their own pace: these replicas stop (a replica of one rank part-way through an
+    # exact job's step, which it takes again later: `_Interrupt`; else at its next step
+    # boundary), report (`RankReport.waiting`) and wait up to HOLD_SECONDS for their next orders
+    # before they step again: a job about to be claimed for them (an interactive one that
+    # preempts their batch job) then starts at once rather than after the step it arrived in.
     hold: list[int] = field(default_factory=list)
 
 
@@ -218,10 +221,16 @@ class RankReport:
     memory: dict[str, Any] = field(default_factory=dict)
     takes_jobs: bool = True
     store_error: str | None = None
-    waiting: bool = False  # at a step boundary on a `StepPlan.hold`, waiting for orders
+    waiting: bool = False  # stopped on a `StepPlan.hold`, waiting for orders
 
 
 RankMessage = Progress | Rendered | Ended | RankReport
+
+
+class StepInterrupted(Exception):
+    """A replica at its own pace left its step part-way, between two layers, for orders that
+    came meanwhile (`_Interrupt`). Nothing of the step was kept: the job's state is as it was
+    before it, and the job takes the step again from its start when it next runs."""
 
 
 @dataclass(slots=True)
@@ -242,6 +251,7 @@ class _Job:
     state: DenoiseState
     compute_seconds: float = 0.0  # spent in this attempt's steps
     gathers: int = 0  # in this attempt's steps
+    interrupted_steps: int = 0  # steps left part-way for orders (`StepInterrupted`)
     blocks_computed: int | None = None  # in this attempt's steps, where a step cache counts
     resumed_from_step: int | None = None
     checkpointed_step: int = 0  # the step of its newest checkpoint (or where it started)
@@ -323,6 +333,7 @@ class RankLoop:
         self.current: _Job | None = None
         # Set by `run_loop`: this replica steps at its own pace (`_own_pace_turns`).
         self.own_pace = False
+        self.interrupted = False  # the last step was left part-way (`StepInterrupted`)
         # Checkpoints of the jobs' denoising states: read by every rank of a replica when it
         # takes a job (it resumes where an earlier attempt stopped), written by the leader
         # every ``checkpoint_every_steps`` steps or ``checkpoint_every_seconds`` (whichever
@@ -476,12 +487,18 @@ class RankLoop:
         none, or sits the turn out); a status if the job ended. ``active``: the transformers
         the group runs this step (`agree_handles`)."""
         job = self.current
+        self.interrupted = False
         if job is None:
             self.pipe.idle_step(active)
             return None
         started = time.perf_counter()
         try:
             self.pipe.step(job.state, active)
+        except StepInterrupted:
+            # The time spent is lost, not the job's: its cost model learns from whole steps.
+            job.interrupted_steps += 1
+            self.interrupted = True
+            return None
         except Exception as exc:
             # pipe.step has already issued the gathers this step did not, so the other ranks'
             # forwards complete; only this job fails.
@@ -950,6 +967,9 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
     first rank broadcasts the orders it took to the others on the replica's own group."""
     layout = loop.layout
     mailbox = open_mailbox(rank, control)
+    # A replica of one rank may leave a step part-way for orders that want it (`_Interrupt`);
+    # the ranks of a larger replica run collectives within it, so they keep to step boundaries.
+    interrupt = _Interrupt(loop, mailbox) if layout.sp == 1 else None
     # A job's final status goes out from the writer thread as soon as its files are stored.
     loop.send_stored = mailbox.clone().report
     replica_group = _replica_group(rank, layout)
@@ -969,7 +989,9 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
                 left = None if hold_until is None else hold_until - time.monotonic()
                 wait = (IDLE_REPORT_SECONDS if not loop.jobs else 0.0 if left is None
                         else max(0.0, left))
-                orders = mailbox.orders(loop.slot, wait=wait)
+                # Orders an interrupted step took first, then any that came since.
+                orders = interrupt.take() if interrupt is not None else []
+                orders += mailbox.orders(loop.slot, wait=0.0 if orders else wait)
                 if any(loop.slot in plan.hold for plan in orders):
                     hold_until = time.monotonic() + HOLD_SECONDS
                 elif orders or (hold_until is not None and time.monotonic() >= hold_until):
@@ -989,22 +1011,92 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
                 loop.pick()
             stepped = loop.current is not None and not holding
             if stepped:
-                assert loop.state is not None
-                ended = loop.step(loop.pipe.handles_needed(loop.state))
+                assert loop.state is not None and loop.current is not None
+                if interrupt is not None:
+                    interrupt.arm(loop.current.ticket)
+                try:
+                    ended = loop.step(loop.pipe.handles_needed(loop.state))
+                finally:
+                    if interrupt is not None:
+                        interrupt.disarm()
                 if ended is not None:
                     messages.append(ended)
+                stepped = not loop.interrupted  # a step left part-way computed nothing kept
             if loop.leads:
                 messages.extend(loop.progress(stepped))
             messages.append(loop.report(waiting=holding))
             mailbox.report(messages)
             loop.reported()
     finally:
+        if interrupt is not None:
+            interrupt.close()
         if conductor is not None:
             conductor.close()
     # Every replica has checkpointed what it held before rank 0's driver hands it back.
     dist.barrier(group=control)
     if conductor is not None and conductor.error is not None:
         raise RuntimeError("the group's coordinator failed") from conductor.error
+
+
+class _Interrupt:
+    """Where a replica of one rank at its own pace looks at its orders in the middle of a step:
+    as each block of its transformers, and each module inside one, is about to run (at most
+    every ``LOOK_SECONDS``). Orders that want the replica now (a hold for another job, a job to
+    take, a cancel or a hand-back of the job it computes, the stop) end the step there
+    (`StepInterrupted`): an interactive job then waits for one layer of a batch job's step,
+    not the whole step (a 256x256x33 kiln-tiny step takes 0.5 s on one core; its longest
+    stretch between two modules, a self-attention, 75 ms). What is left of the step is lost (at
+    most a step's compute per preemption); the orders wait in ``pending`` for the loop.
+
+    Only an exact job's step is left part-way: a step cache updates the job's state inside the
+    step (`runtime.step_cache`), so a caching job's step runs to its end, as before."""
+
+    LOOK_SECONDS = 0.005  # a look costs a round trip to the store: tens of microseconds
+
+    def __init__(self, loop: RankLoop, mailbox: Mailbox) -> None:
+        self.loop = loop
+        self.mailbox = mailbox
+        self.pending: list[StepPlan] = []
+        self._job_id: str | None = None  # the job whose step may be left now; None: no step
+        self._looked = 0.0
+        # Before the engine's own hooks (prepend): a block is left before it is fetched.
+        self._hooks = [module.register_forward_pre_hook(self._look, prepend=True)
+                       for handle in loop.pipe.handles if handle is not None
+                       for block in handle.block_modules for module in block.modules()]
+
+    def arm(self, ticket: Ticket) -> None:
+        """``ticket``'s job steps now: its step may be left part-way if it is an exact one."""
+        self._job_id = ticket.job_id if ticket.request.step_cache is None else None
+        self._looked = time.monotonic()
+
+    def disarm(self) -> None:
+        self._job_id = None
+
+    def take(self) -> list[StepPlan]:
+        """The orders a look took, oldest first, for the loop to apply."""
+        pending, self.pending = self.pending, []
+        return pending
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _look(self, module: Any, args: Any) -> None:
+        if self._job_id is None or time.monotonic() - self._looked < self.LOOK_SECONDS:
+            return
+        orders = self.mailbox.orders(self.loop.slot)
+        self._looked = time.monotonic()
+        if not orders:
+            return
+        self.pending.extend(orders)
+        if any(self._wants_replica(plan) for plan in orders):
+            self._job_id = None
+            raise StepInterrupted
+
+    def _wants_replica(self, plan: StepPlan) -> bool:
+        slot = self.loop.slot
+        return (plan.stop or slot in plan.hold or slot in plan.assign
+                or self._job_id in plan.drop or self._job_id in plan.hand_back)
 
 
 # How long a rank at its own pace without a job waits for orders before it reports itself all

@@ -231,6 +231,8 @@ class DLOHandle:
         weights_dtype: str = "checkpoint",
     ) -> None:
         self.model = model
+        # The model's blocks, in streaming order (resident ones first).
+        self.block_modules = list(block_modules)
         self.config = config
         self.platform = platform
         self._layouts = layouts

@@ -137,8 +137,8 @@ def test_a_small_job_beside_a_big_one_keeps_its_own_pace_unless_the_weights_are_
         assert "i" not in out["ended"]  # no hold in lock-step
     else:
         assert out["big_step_at_small_end"] <= 2, out
-        # Held at a step boundary, replica 0 stepped no more until "i" came, then ran "i"
-        # whole before big's next step.
+        # Held (part-way through a step, which it took again later), replica 0 stepped no more
+        # until "i" came, then ran "i" whole before big's next step.
         assert out["ended"]["i"] == ("succeeded", 4)
         assert out["big_step_when_waiting"] == out["big_step_at_i_end"] >= 2, out
 
