@@ -283,9 +283,16 @@
           ? `${bytes(r.stored_block_bytes)} <span class="dim">in ${esc(r.weights_dtype ?? "?")}` +
             "</span>"
           : '<span class="dim">—</span>';
+        // What its last step cost: the block gathers it took part in, and the blocks it
+        // computed where a step cache counts them (fewer than the model has when it skipped).
+        const cost = r.step_gathers != null
+          ? ` <span class="dim step-cost">· last step ${r.step_gathers} gathers` +
+            (r.step_blocks_computed != null ? `, ${r.step_blocks_computed} blocks computed` : "") +
+            "</span>"
+          : "";
         const job = r.job_id ? `<span data-job="${esc(r.job_id)}"><a class="mono" ` +
           `href="/dashboard/jobs/${encodeURIComponent(r.job_id)}">${esc(r.job_id)}</a> ` +
-          `<span class="dim steps">${r.step ?? "?"}/${r.total_steps ?? "?"}</span></span>`
+          `<span class="dim steps">${r.step ?? "?"}/${r.total_steps ?? "?"}</span>${cost}</span>`
           : '<span class="dim">idle</span>';
         return `<tr><td>rank ${r.rank}</td><td>${r.replica ?? "—"}</td>
           <td class="mono">${esc(r.device)}</td><td>${job}</td><td>${weights}</td><td>${stored}</td>

@@ -28,3 +28,16 @@ def test_workers_shows_each_ranks_weights_dtype_and_stored_block_bytes(api) -> N
     # A group whose ranks report neither shows null for both.
     (older,) = groups["node2-456"]["ranks"]
     assert (older["weights_dtype"], older["stored_block_bytes"]) == (None, None)
+
+
+def test_workers_shows_what_each_ranks_last_step_gathered_and_computed(api) -> None:  # noqa: ANN001
+    with api.session() as s:
+        report_group(s, GroupReport(
+            id="node3-789", name="node3", host="node3", model="kiln-tiny", mode="allgather",
+            platform="cpu", dp_size=2, world_size=2, goal="throughput",
+            ranks=[{"rank": 0, "device": "cpu", "step_gathers": 4, "step_blocks_computed": 1},
+                   {"rank": 1, "device": "cpu", "step_gathers": 4}]))
+    (group,) = [g for g in api.client.get("/v1/workers", headers=api.auth("alice")).json()["data"]
+                if g["id"] == "node3-789"]
+    assert [(r["step_gathers"], r["step_blocks_computed"]) for r in group["ranks"]] == \
+        [(4, 1), (4, None)]
