@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.retry import ceiling
+
 # Values copied from an example file that must never reach a shared deployment.
 PLACEHOLDER_SECRETS = frozenset({"changethis", "changeme", "password", "secret", "example"})
 
@@ -193,14 +195,17 @@ class Settings(BaseSettings):
     # inside the deployment, so allowing this lets them reach internal services. None: allowed
     # only when environment is "local" (a receiver on the developer's machine); see common.netguard.
     webhook_allow_private: bool | None = None
-    # The sweeper re-sends deliveries whose task was lost, for jobs finished within this window.
-    webhook_sweep_interval_seconds: float = Field(default=60.0, gt=0)
+    # The sweeper sends every webhook retry once due, and re-sends deliveries whose task was lost,
+    # for jobs finished within webhook_sweep_hours (a job's retries must end within it). A retry
+    # goes out between its time and one interval later (plus the queue's wait): keep the
+    # interval at most half of webhook_backoff_seconds, the spread of the backoff's own jitter.
+    webhook_sweep_interval_seconds: float = Field(default=5.0, gt=0)
     webhook_sweep_hours: float = Field(default=24.0, gt=0)
     # Outputs of jobs finished longer ago than this are deleted (the rows stay); 0 keeps them.
     retention_days: int = Field(default=30, ge=0)
     retention_interval_seconds: float = Field(default=3600.0, gt=0)
     # Celery on Redis re-delivers a task not acknowledged within this; it must exceed the longest
-    # task run and the longest retry countdown, or a task runs twice.
+    # task run, or a task runs twice.
     celery_visibility_timeout_seconds: int = Field(default=6 * 3600, ge=60)
 
     @model_validator(mode="after")
@@ -217,9 +222,12 @@ class Settings(BaseSettings):
                 raise ValueError(f"default_{name} ({value}) is outside [{low}, {high}]")
         if self.storage_url is not None and urlsplit(self.storage_url).scheme != "s3":
             raise ValueError(f"storage_url must be s3://bucket[/prefix], got {self.storage_url!r}")
-        if self.webhook_backoff_max_seconds >= self.celery_visibility_timeout_seconds:
-            raise ValueError("webhook_backoff_max_seconds must be below "
-                             "celery_visibility_timeout_seconds (a retry would run twice)")
+        retries = sum(ceiling(n, first=self.webhook_backoff_seconds,
+                              cap=self.webhook_backoff_max_seconds)
+                      for n in range(1, self.webhook_max_attempts))
+        if retries >= self.webhook_sweep_hours * 3600:
+            raise ValueError(f"webhook_max_attempts with its backoff waits up to {retries:.0f} s, "
+                             "beyond webhook_sweep_hours: the sweeper would stop retrying first")
         self._check_secret("s3_secret_access_key", _plain(self.s3_secret_access_key))
         self._check_secret("webhook_secret", _plain(self.webhook_secret))
         self._check_secret("metrics_token", _plain(self.metrics_token))

@@ -3,13 +3,19 @@ output retention, with the beat schedule that runs the periodic ones.
 
 Tasks are thin adapters. Each takes ids, re-reads the rows, checks their state and is safe to run
 twice (``acks_late``: a task whose worker died is delivered again). The work itself lives in plain
-functions taking a `Context` (`deliver`, `deliver_batch`, `sweep`, `sweep_batches`,
-`reap_leases`, `reconcile`, `clean_up`), which the tests call directly against a real database and
-Redis.
+functions taking a `Context` (`deliver`, `deliver_batch`, `deliver_logged`, `redeliver_live`,
+`sweep`, `sweep_batches`, `sweep_live`, `reap_leases`, `reconcile`, `clean_up`), which the tests
+call directly against a real database and Redis.
 
 Nothing here is the only copy of a fact: the database says which jobs are finished and still owe a
 webhook, which batches have ended and owe batch.completed (`storage.webhooks`), which leases
 lapsed, what is queued and what is old, so a lost task is made good by the next periodic run.
+
+Webhook retries are the outbox's alone: an attempt that failed and is to be tried again writes
+the time of the next one to its outbox row and its task ends; the sweeper (`kiln.sweep_webhooks`,
+every ``webhook_sweep_interval_seconds``) finds the rows that are due and enqueues their next
+attempt. A retry so goes out between its time and one sweep interval later, plus the queue's
+wait. Celery retries nothing.
 
 The app and its tasks come from `make_celery` (settings in, a configured app out): each process
 that runs or enqueues the side work builds its own. Run it with ``kiln celery`` (worker with
@@ -22,9 +28,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
@@ -33,7 +40,7 @@ from urllib.parse import urlsplit
 
 from celery import Celery, Task, signals
 from pydantic import SecretStr, TypeAdapter
-from redis import Redis
+from redis import Redis, RedisError
 from sqlalchemy.orm import Session, sessionmaker
 
 from common import logs, netguard, retry
@@ -50,8 +57,9 @@ from storage.tables import Batch, Job, JobState, utcnow
 log = logging.getLogger(__name__)
 
 USER_AGENT = "kiln-webhooks/0.1"
-# The sweeper leaves alone what the normal path is about to do: a job finished (or a retry due)
-# within this, whose task is probably still on its way.
+# The sweeper leaves the first attempt at a job's (or batch's) event to the task enqueued when it
+# ended, for this long: that task is probably still on its way. Retries are the sweeper's own and
+# go out once due.
 SWEEP_GRACE_SECONDS = 30.0
 _CLEAN_UP_CHUNK = 200
 # batch.completed lists this many of the failed, expired and dead jobs (``counts`` has them all,
@@ -127,11 +135,12 @@ def _setup_logging(loglevel: int | None = None, **_: Any) -> None:
 
 
 # What a task is about, from its arguments: every line logged while it runs carries it,
-# Celery's own "succeeded" and "retry" lines included (they come before task_postrun).
+# Celery's own "succeeded" line included (it comes before task_postrun).
 _ABOUT: dict[str, Callable[[tuple[Any, ...]], dict[str, object]]] = {
     "kiln.deliver_webhook": lambda args: {"job": args[0]},
     "kiln.deliver_batch_webhook": lambda args: {"batch": args[0]},
     "kiln.deliver_event": lambda args: {"job": json.loads(args[3])["data"]["id"]},
+    "kiln.retry_event": lambda args: {"job": args[0]},
 }
 _running: dict[str, contextlib.ExitStack] = {}  # task id -> its `logs.bound` block
 
@@ -270,7 +279,7 @@ class Delivery:
     state: str
     attempt: int = 0
     status: int | None = None  # HTTP status of this attempt
-    retry_in: float | None = None  # seconds until the next attempt, when pending
+    retry_in: float | None = None  # seconds until the next attempt (its outbox row has the time)
     error: str | None = None  # why this attempt did not deliver
 
 
@@ -434,8 +443,9 @@ def deliver_batch(ctx: Context, batch_id: str, *, now: datetime | None = None) -
 def deliver_live(ctx: Context, url: str, msg_id: str, kind: str, body: bytes, *,
                  attempt: int = 1) -> Delivery:
     """Attempt number ``attempt`` at a job.started or job.progress event, signed with the secrets
-    of the owner of the job it is about (``data.id``). No outbox row holds it: the task carries
-    the attempt count and the wait (``retry_in``) to the next one."""
+    of the owner of the job it is about (``data.id``): the POST alone, and the wait
+    (``retry_in``) to the next attempt. `deliver_logged` and `redeliver_live` keep the outbox
+    and the delivery log."""
     settings = ctx.settings
     job_id = json.loads(body)["data"]["id"]
     about = logs.fields(job=job_id)
@@ -460,33 +470,118 @@ def deliver_live(ctx: Context, url: str, msg_id: str, kind: str, body: bytes, *,
                     status=posted.status, retry_in=retry_in, error=posted.error)
 
 
-def deliver_logged(ctx: Context, url: str, msg_id: str, kind: str, body: bytes, *,
-                   attempt: int = 1) -> Delivery:
-    """`deliver_live`, with the attempt in the delivery log under the job the event is about."""
+def _timed_live(ctx: Context, url: str, msg_id: str, kind: str, body: bytes, *, attempt: int,
+                now: datetime) -> tuple[Delivery, datetime | None]:
+    """`deliver_live` begun at ``now``, and the time of its retry when it is to be tried again
+    (the wait counts from the end of this attempt)."""
+    started = time.monotonic()
     outcome = deliver_live(ctx, url, msg_id, kind, body, attempt=attempt)
+    if outcome.retry_in is None:
+        return outcome, None
+    return outcome, now + timedelta(seconds=time.monotonic() - started + outcome.retry_in)
+
+
+def _log_live(session: Session, job_id: str, kind: str, msg_id: str, outcome: Delivery) -> None:
+    _log(session, job_id=job_id, event=kind, msg_id=msg_id, attempt=outcome.attempt,
+         status=outcome.status, error=outcome.error,
+         outcome="retrying" if outcome.state == "pending" else outcome.state)
+
+
+def deliver_logged(ctx: Context, url: str, msg_id: str, kind: str, body: bytes, *,
+                   now: datetime | None = None) -> Delivery:
+    """The first attempt at a job.started or job.progress event (`deliver_live`), in the
+    delivery log under the job the event is about. One that is to be tried again is written to
+    the outbox with its retry's time (`storage.webhooks.hold_live_retry`), where the sweeper
+    finds it once due."""
+    now = now or utcnow()
+    outcome, retry_at = _timed_live(ctx, url, msg_id, kind, body, attempt=1, now=now)
+    job_id = json.loads(body)["data"]["id"]
     with ctx.sessions() as session:
-        _log(session, job_id=json.loads(body)["data"]["id"], event=kind, msg_id=msg_id,
-             attempt=attempt, status=outcome.status, error=outcome.error,
-             outcome="retrying" if outcome.state == "pending" else outcome.state)
+        if retry_at is not None:
+            webhooks.hold_live_retry(session, msg_id=msg_id, job_id=job_id, url=url, event=kind,
+                                     body=body.decode(), attempt=1, retry_at=retry_at, now=now)
+        _log_live(session, job_id, kind, msg_id, outcome)
+    return outcome
+
+
+def redeliver_live(ctx: Context, msg_id: str, *, now: datetime | None = None) -> Delivery:
+    """The next attempt at a job.started or job.progress event the outbox holds, if one is due
+    (`storage.webhooks.begin_live_attempt`), logged like the first: its row then waits for the
+    next retry, or goes once the event is delivered or given up."""
+    now = now or utcnow()
+    with ctx.sessions() as session:
+        attempt = webhooks.begin_live_attempt(session, msg_id,
+                                              hold_seconds=_hold_seconds(ctx.settings), now=now)
+    if attempt is None:
+        return Delivery(state="skipped")
+    outcome, retry_at = _timed_live(ctx, attempt.url, msg_id, attempt.event,
+                                    attempt.body.encode(), attempt=attempt.number, now=now)
+    with ctx.sessions() as session:
+        settled = webhooks.settle_live_attempt(session, msg_id, attempt.number,
+                                               retry_at=retry_at)
+        _log_live(session, attempt.job_id, attempt.event, msg_id, outcome)
+    if not settled:  # a later attempt took over while this one overran its hold
+        return replace(outcome, state="skipped", retry_in=None)
     return outcome
 
 
 def sweep(ctx: Context, *, now: datetime | None = None, limit: int = 500) -> list[str]:
-    """Ids of finished jobs whose webhook is owed and due but whose task seems lost."""
+    """Ids of finished jobs whose webhook is owed and due: a retry whose time has come (or a
+    died attempt's), or a first attempt whose task seems lost."""
     now = now or utcnow()
     with ctx.sessions() as session:
         return webhooks.owed(
-            session, since=now - timedelta(hours=ctx.settings.webhook_sweep_hours),
-            now=now - timedelta(seconds=SWEEP_GRACE_SECONDS), limit=limit)
+            session, since=now - timedelta(hours=ctx.settings.webhook_sweep_hours), now=now,
+            first_by=now - timedelta(seconds=SWEEP_GRACE_SECONDS), limit=limit)
 
 
 def sweep_batches(ctx: Context, *, now: datetime | None = None, limit: int = 500) -> list[str]:
-    """Ids of batches whose batch.completed is owed (or whose last job ended without the
-    decision made) and due, but whose task seems lost."""
+    """Ids of batches whose batch.completed is owed and due: a retry whose time has come (or a
+    died attempt's), or a first attempt (or the decision that the batch is complete) whose task
+    seems lost."""
     now = now or utcnow()
     with ctx.sessions() as session:
-        return webhooks.owed_batches(session, now=now - timedelta(seconds=SWEEP_GRACE_SECONDS),
-                                     limit=limit)
+        return webhooks.owed_batches(
+            session, now=now, first_by=now - timedelta(seconds=SWEEP_GRACE_SECONDS),
+            limit=limit)
+
+
+def sweep_live(ctx: Context, *, now: datetime | None = None,
+               limit: int = 500) -> list[tuple[str, str]]:
+    """The job.started and job.progress events whose retry is due: (job id, ``msg_id``)
+    each."""
+    with ctx.sessions() as session:
+        return webhooks.owed_live(session, now=now or utcnow(), limit=limit)
+
+
+def dispatch(ctx: Context, kind: str, ids: list[str]) -> list[str]:
+    """Those of ``ids``, the sweeper's due deliveries of ``kind``, with no task of the sweeper's
+    already on its way: each is marked in Redis until its task ends (`dispatched`), or for an
+    attempt's hold should the task be lost. A queue that runs more than one sweep behind so gets
+    one task per due delivery, not one per sweep; the outbox's lease keeps a delivery from being
+    posted twice either way."""
+    if not ids:
+        return []
+    hold = math.ceil(_hold_seconds(ctx.settings))
+    with ctx.redis.pipeline(transaction=False) as pipe:
+        for one in ids:
+            pipe.set(_dispatch_key(ctx, kind, one), 1, nx=True, ex=hold)
+        marked = pipe.execute()
+    return [one for one, new in zip(ids, marked, strict=True) if new]
+
+
+def dispatched(ctx: Context, kind: str, one: str) -> None:
+    """The task for delivery ``one`` of ``kind`` has ended: the sweeper may enqueue its next
+    attempt once due."""
+    try:
+        ctx.redis.delete(_dispatch_key(ctx, kind, one))
+    except RedisError:  # the mark lapses with its hold
+        log.warning("could not clear the dispatch mark of webhook %s %s", kind, one,
+                    exc_info=True)
+
+
+def _dispatch_key(ctx: Context, kind: str, one: str) -> str:
+    return f"{ctx.settings.redis_prefix}webhook-dispatch:{kind}:{one}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,43 +700,54 @@ def make_celery(settings: Settings) -> Celery:
     # Each task is this app's alone (shared=False): Celery's default would add it to every app
     # built later in the process, with this app's settings. The periodic ones keep no result:
     # beat starts thousands a day and nobody reads them (the worker log has their counts). The
-    # delivery tasks have no retry bound of Celery's (max_retries=None on the task;
-    # ``retry(max_retries=None)`` would mean Celery's default of 3): webhook_max_attempts,
-    # counted by the outbox row or the task's own retries, decides when they stop.
+    # delivery tasks make one attempt each and end: a retry is due by its outbox row, and the
+    # sweeper enqueues it (webhook_max_attempts, counted there, decides when they stop).
 
-    @app.task(name="kiln.deliver_webhook", shared=False, bind=True, max_retries=None)
-    def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
-        outcome = deliver(context(), job_id)
-        if outcome.retry_in is not None:
-            # The database counts the attempts and gives up; Celery only carries the wait.
-            raise self.retry(countdown=outcome.retry_in)
+    @app.task(name="kiln.deliver_webhook", shared=False)
+    def deliver_webhook(job_id: str) -> dict[str, Any]:
+        ctx = context()
+        try:
+            outcome = deliver(ctx, job_id)
+        finally:
+            dispatched(ctx, "job", job_id)
         return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
 
-    @app.task(name="kiln.deliver_batch_webhook", shared=False, bind=True, max_retries=None)
-    def deliver_batch_webhook(self: Task, batch_id: str) -> dict[str, Any]:
-        outcome = deliver_batch(context(), batch_id)
-        if outcome.retry_in is not None:
-            raise self.retry(countdown=outcome.retry_in)
+    @app.task(name="kiln.deliver_batch_webhook", shared=False)
+    def deliver_batch_webhook(batch_id: str) -> dict[str, Any]:
+        ctx = context()
+        try:
+            outcome = deliver_batch(ctx, batch_id)
+        finally:
+            dispatched(ctx, "batch", batch_id)
         return {"state": outcome.state, "attempt": outcome.attempt, "status": outcome.status}
 
-    @app.task(name="kiln.deliver_event", shared=False, bind=True, ignore_result=True,
-              max_retries=None)
-    def deliver_event(self: Task, url: str, msg_id: str, kind: str, body: str) -> str:
-        outcome = deliver_logged(context(), url, msg_id, kind, body.encode(),
-                                 attempt=self.request.retries + 1)
-        if outcome.retry_in is not None:
-            raise self.retry(countdown=outcome.retry_in)
-        return outcome.state
+    @app.task(name="kiln.deliver_event", shared=False, ignore_result=True)
+    def deliver_event(url: str, msg_id: str, kind: str, body: str) -> str:
+        return deliver_logged(context(), url, msg_id, kind, body.encode()).state
+
+    @app.task(name="kiln.retry_event", shared=False, ignore_result=True)
+    def retry_event(job_id: str, msg_id: str) -> str:
+        # job_id is for the log lines (_ABOUT); the outbox row has all the event.
+        ctx = context()
+        try:
+            return redeliver_live(ctx, msg_id).state
+        finally:
+            dispatched(ctx, "event", msg_id)
 
     @app.task(name="kiln.sweep_webhooks", shared=False, ignore_result=True)
     def sweep_webhooks() -> int:
-        owed = sweep(context())
-        for job_id in owed:
+        ctx = context()
+        jobs = dispatch(ctx, "job", sweep(ctx))
+        for job_id in jobs:
             deliver_webhook.delay(job_id)
-        batches = sweep_batches(context())
+        batches = dispatch(ctx, "batch", sweep_batches(ctx))
         for batch_id in batches:
             deliver_batch_webhook.delay(batch_id)
-        return len(owed) + len(batches)
+        live = {msg_id: job_id for job_id, msg_id in sweep_live(ctx)}
+        events = dispatch(ctx, "event", list(live))
+        for msg_id in events:
+            retry_event.delay(live[msg_id], msg_id)
+        return len(jobs) + len(batches) + len(events)
 
     @app.task(name="kiln.reap_leases", shared=False, ignore_result=True)
     def reap_leases_task() -> dict[str, int]:

@@ -374,6 +374,26 @@ class WebhookAttempt(Base):
     outcome: Mapped[str] = mapped_column(String(16))  # delivered | retrying | failed
 
 
+class LiveWebhookRetry(Base):
+    """A job.started or job.progress event owed another attempt (`storage.webhooks`): written
+    when an attempt failed and is to be tried again, deleted once the event is delivered or given
+    up. Final events have their outbox in `WebhookDelivery`; the delivery log keeps every
+    attempt."""
+
+    __tablename__ = "live_webhook_retries"
+    __table_args__ = (Index("ix_live_webhook_retries_next_attempt_at", "next_attempt_at"),)
+
+    msg_id: Mapped[str] = mapped_column(String(100), primary_key=True)  # its webhook-id
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    url: Mapped[str] = mapped_column(Text)
+    event: Mapped[str] = mapped_column(String(32))  # job.started | job.progress
+    body: Mapped[str] = mapped_column(Text)  # the event's JSON, as every attempt sends it
+    attempts: Mapped[int]  # made so far
+    # Not before this may the next attempt start; while an attempt runs, the end of its hold.
+    next_attempt_at: Mapped[datetime]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 # The webhook sweeper (recently finished jobs) and retention (long-finished jobs) both range over
 # finished_at.
 Index("ix_jobs_finished_at", Job.finished_at)

@@ -10,9 +10,14 @@ finish and the sweeper's) never post at once, and an attempt whose process died 
 once its hold runs out. Receivers must still tolerate a repeat (a process may die after the POST
 and before `record_result`): the ``Kiln-Delivery`` header carries the job id for that.
 
+The outbox is also the only record of a retry: a failed attempt that is to be tried again sets
+``next_attempt_at`` to the retry's time and its task ends; the periodic sweeper finds the row
+once that time has come (`owed`) and asks for the next attempt.
+
 A batch's one event, batch.completed, has its outbox on the batch row (`complete_batch` and
-below), and every attempt at any event goes into the delivery log (`log_attempt`,
-`delivery_log`), which the job page shows.
+below); a job.started or job.progress event that is to be tried again gets a row of its own
+until it is delivered or given up (`hold_live_retry` and below); and every attempt at any event
+goes into the delivery log (`log_attempt`, `delivery_log`), which the job page shows.
 """
 
 from __future__ import annotations
@@ -22,15 +27,24 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, get_args
 
-from sqlalchemy import ColumnElement, and_, exists, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, exists, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from storage.tables import TERMINAL_STATES, Batch, Job, WebhookAttempt, WebhookDelivery, utcnow
+from storage.tables import (
+    TERMINAL_STATES,
+    Batch,
+    Job,
+    LiveWebhookRetry,
+    WebhookAttempt,
+    WebhookDelivery,
+    utcnow,
+)
 
 # The events a job's webhook may ask for (``Job.webhook_events``). The final ones are
 # ``job.<final state>`` and go through the outbox below; job.started and job.progress are sent
-# by the worker group as they happen, best effort (a lost one is not sent again).
+# by the worker group as they happen, best effort (one whose task is lost is not sent again; one
+# whose attempt failed is retried through `LiveWebhookRetry`).
 WebhookEvent = Literal["job.started", "job.progress", "job.succeeded", "job.failed",
                        "job.cancelled", "job.dead", "job.expired"]
 EVENTS: tuple[str, ...] = get_args(WebhookEvent)
@@ -66,19 +80,23 @@ class Attempt:
 
 
 def owed(session: Session, *, since: datetime, now: datetime | None = None,
-         limit: int = 500) -> list[str]:
+         first_by: datetime | None = None, limit: int = 500) -> list[str]:
     """Ids of jobs finished between ``since`` and ``now`` whose webhook is neither delivered nor
-    given up, and due at ``now``: never attempted, or its retry (or a died attempt's hold) is
-    due."""
+    given up, and due at ``now``: its retry (or a died attempt's hold) is due, or it was never
+    attempted and the job finished by ``first_by`` (default ``now``; a later one's first attempt
+    is left to the task enqueued when it finished)."""
     now = now or utcnow()
+    first_by = first_by or now
     settled_or_waiting = exists().where(
         WebhookDelivery.job_id == Job.id,
         or_(WebhookDelivery.state.in_(_FINAL), WebhookDelivery.next_attempt_at > now),
     )
+    attempted = exists().where(WebhookDelivery.job_id == Job.id, WebhookDelivery.attempts > 0)
     stmt = (
         select(Job.id)
         .where(Job.finished_at >= since, Job.finished_at <= now, Job.state.in_(_TERMINAL),
-               Job.webhook_url.is_not(None), ~settled_or_waiting)
+               Job.webhook_url.is_not(None), ~settled_or_waiting,
+               or_(attempted, Job.finished_at <= first_by))
         .order_by(Job.finished_at)
         .limit(limit)
     )
@@ -260,20 +278,103 @@ def settle_batch_attempt(session: Session, batch_id: str, number: int, state: st
 
 
 def owed_batches(session: Session, *, now: datetime | None = None,
-                 limit: int = 500) -> list[str]:
-    """Ids of batches whose batch.completed is owed and due at ``now``: every job ended by
-    ``now`` but the decision never made (its task was lost), or pending with its retry (or a
-    died attempt's hold) due."""
+                 first_by: datetime | None = None, limit: int = 500) -> list[str]:
+    """Ids of batches whose batch.completed is owed and due at ``now``: pending with its retry
+    (or a died attempt's hold) due; or, when its last job ended by ``first_by`` (default
+    ``now``; a later one's task is still on its way), the decision never made or the event owed
+    and never attempted."""
     now = now or utcnow()
+    first_by = first_by or now
     ids = list(session.scalars(
         select(Batch.id)
         .where(Batch.webhook_url.is_not(None),
-               or_(and_(Batch.webhook_state.is_(None), _all_jobs_ended(ended_by=now)),
-                   and_(Batch.webhook_state == PENDING, Batch.webhook_next_attempt_at <= now)))
+               or_(and_(Batch.webhook_state.is_(None), _all_jobs_ended(ended_by=first_by)),
+                   and_(Batch.webhook_state == PENDING, Batch.webhook_next_attempt_at <= now,
+                        or_(Batch.webhook_attempts > 0,
+                            Batch.webhook_next_attempt_at <= first_by))))
         .order_by(Batch.created_at)
         .limit(limit)))
     session.rollback()  # end the read transaction
     return ids
+
+
+# ---- job.started and job.progress: a row while a retry is owed -------------------------------
+#
+# A live event's first attempt is made by the task the worker group enqueued, with no row. When
+# an attempt fails and is to be tried again, the event is written here with the time of its next
+# attempt; the sweeper finds it once due (`owed_live`), each retry is leased on the row as a final
+# event's attempt is (`begin_live_attempt`), and the row goes once the event is delivered or
+# given up (`settle_live_attempt`).
+
+def hold_live_retry(session: Session, *, msg_id: str, job_id: str, url: str, event: str,
+                    body: str, attempt: int, retry_at: datetime,
+                    now: datetime | None = None) -> bool:
+    """Records that live event ``msg_id`` failed its first attempt (number ``attempt``) and is
+    due again at ``retry_at``; commits. False (nothing written) when a row for it exists already
+    (the first attempt's task ran twice) or its job is gone."""
+    try:
+        session.execute(insert(LiveWebhookRetry).values(
+            msg_id=msg_id, job_id=job_id, url=url, event=event, body=body, attempts=attempt,
+            next_attempt_at=retry_at, created_at=now or utcnow()))
+        session.commit()
+        return True
+    except IntegrityError:
+        session.rollback()
+        return False
+
+
+def owed_live(session: Session, *, now: datetime | None = None,
+              limit: int = 500) -> list[tuple[str, str]]:
+    """The live events whose retry (or a died attempt's hold) is due at ``now``, the longest
+    due first: (job id, ``msg_id``) each."""
+    now = now or utcnow()
+    rows = session.execute(
+        select(LiveWebhookRetry.job_id, LiveWebhookRetry.msg_id)
+        .where(LiveWebhookRetry.next_attempt_at <= now)
+        .order_by(LiveWebhookRetry.next_attempt_at).limit(limit)).all()
+    session.rollback()  # end the read transaction
+    return [(job_id, msg_id) for job_id, msg_id in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class LiveAttempt:
+    msg_id: str
+    job_id: str
+    url: str
+    event: str
+    body: str
+    number: int  # 2 for the first retry
+
+
+def begin_live_attempt(session: Session, msg_id: str, *, hold_seconds: float,
+                       now: datetime | None = None) -> LiveAttempt | None:
+    """Takes the next attempt at live event ``msg_id`` and commits; None when none is due now
+    (delivered or given up, due later, or running elsewhere)."""
+    now = now or utcnow()
+    row = session.execute(
+        update(LiveWebhookRetry)
+        .where(LiveWebhookRetry.msg_id == msg_id, LiveWebhookRetry.next_attempt_at <= now)
+        .values(attempts=LiveWebhookRetry.attempts + 1,
+                next_attempt_at=now + timedelta(seconds=hold_seconds))
+        .returning(LiveWebhookRetry.job_id, LiveWebhookRetry.url, LiveWebhookRetry.event,
+                   LiveWebhookRetry.body, LiveWebhookRetry.attempts)).one_or_none()
+    if row is None:
+        session.rollback()
+        return None
+    session.commit()
+    return LiveAttempt(msg_id=msg_id, job_id=row.job_id, url=row.url, event=row.event,
+                       body=row.body, number=int(row.attempts))
+
+
+def settle_live_attempt(session: Session, msg_id: str, number: int, *,
+                        retry_at: datetime | None) -> bool:
+    """Records how attempt ``number`` at live event ``msg_id`` went and commits: due again at
+    ``retry_at``, or (None) delivered or given up, and the row deleted. False (nothing written)
+    when a later attempt took over."""
+    mine = and_(LiveWebhookRetry.msg_id == msg_id, LiveWebhookRetry.attempts == number)
+    change: Any = (update(LiveWebhookRetry).where(mine).values(next_attempt_at=retry_at)
+                   if retry_at is not None else delete(LiveWebhookRetry).where(mine))
+    return _guarded(session, change.returning(LiveWebhookRetry.msg_id)) is not None
 
 
 # ---- the delivery log ---------------------------------------------------------------------------

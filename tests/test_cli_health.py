@@ -88,6 +88,7 @@ def test_health_beat_is_healthy_while_beats_schedule_file_is_fresh(
     monkeypatch.setenv("KILN_DATA_DIR", str(tmp_path / "var"))
     monkeypatch.setenv("KILN_REDIS_PREFIX", "healthtest:")
     monkeypatch.setenv("KILN_REAPER_INTERVAL_SECONDS", "15")
+    monkeypatch.setenv("KILN_WEBHOOK_SWEEP_INTERVAL_SECONDS", "15")
     monkeypatch.chdir(tmp_path)
     path = beat_schedule_path(Settings())
     code, output = _check("beat")

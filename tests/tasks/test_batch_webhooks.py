@@ -1,7 +1,8 @@
 """batch.completed: sent once a batch's last job has ended, with its report, signed the Standard
 Webhooks way (verified here with the ``standardwebhooks`` library), retried with the same
-``webhook-id``, exactly once when jobs end together, and made good by the sweep when its task
-is lost; and every attempt at any webhook event lands in the delivery log."""
+``webhook-id`` by the sweep once each retry is due, exactly once when jobs end together, and made
+good by the sweep when its task is lost; and every attempt at any webhook event lands in the
+delivery log."""
 
 from __future__ import annotations
 
@@ -176,6 +177,27 @@ def test_a_receiver_failing_twice_gets_it_on_the_third_try_with_the_same_id(
         assert Webhook(secret_of(ctx)).verify(r.body, r.headers)["data"]["id"] == batch_id
     assert _log(ctx, batch_id) == [(1, "retrying", 500), (2, "retrying", 500),
                                    (3, "delivered", 200)]
+
+
+def test_a_due_retry_is_sent_by_the_sweep_within_the_grace(ctx: Context) -> None:
+    t = utcnow()
+    with Receiver(fail_first=1) as receiver:
+        with ctx.sessions() as s:
+            batch_id, jobs = _batch(s, receiver.url, 1)
+            succeed(ctx, s, jobs[0], now=t)
+        first = deliver_batch(ctx, batch_id, now=t)
+        assert (first.state, first.status) == ("pending", 500)
+        with ctx.sessions() as s:
+            batch = s.get(Batch, batch_id)
+            assert batch is not None and batch.webhook_next_attempt_at is not None
+            retry_at = batch.webhook_next_attempt_at
+        # Seconds after the batch ended, well within the grace: the retry is the sweep's own.
+        assert sweep_batches(ctx, now=retry_at - timedelta(seconds=0.1)) == []
+        assert sweep_batches(ctx, now=retry_at) == [batch_id]
+        assert deliver_batch(ctx, batch_id, now=retry_at).state == "delivered"
+        assert sweep_batches(ctx, now=retry_at + timedelta(hours=1)) == []
+    assert [r.answered for r in receiver.requests] == [500, 200]
+    assert _log(ctx, batch_id) == [(1, "retrying", 500), (2, "delivered", 200)]
 
 
 def test_a_lost_task_is_made_good_by_the_sweep_after_its_grace(ctx: Context) -> None:

@@ -1,7 +1,7 @@
 """Webhooks by the Standard Webhooks convention: every request verifies with the
 ``standardwebhooks`` library under its owner's secret, a job's events arrive in order (started,
-progress..., succeeded), failed POSTs are retried, and the job's event filter drops what it did
-not ask for."""
+progress..., succeeded), failed POSTs are retried (a live event's retries through a row of its
+own that the sweep finds once due), and the job's event filter drops what it did not ask for."""
 
 from __future__ import annotations
 
@@ -19,13 +19,23 @@ from task_helpers import fail, secret_of, submit
 from api.schemas import JobCreate
 from kiln import group_io
 from kiln.coordinator import Coordinator
-from kiln.tasks import Context, deliver, deliver_live, progress_event, sweep
+from kiln.tasks import (
+    Context,
+    deliver,
+    deliver_live,
+    deliver_logged,
+    progress_event,
+    redeliver_live,
+    started_event,
+    sweep,
+    sweep_live,
+)
 from kiln.worker import WorkerConfig, make_coordinator
 from runtime.rank_loop import Ended, Progress
 from runtime.sequence import Layout
 from storage import lifecycle, webhooks
 from storage.outputs import video_key
-from storage.tables import utcnow
+from storage.tables import LiveWebhookRetry, utcnow
 
 
 def verified(ctx: Context, received: Any) -> dict[str, Any]:
@@ -129,6 +139,65 @@ def test_a_receiver_answering_500_twice_gets_the_event_on_the_third_try(ctx: Con
     assert verified(ctx, got[2])["data"]["step"] == 2
     final = verified(ctx, got[-1])
     assert (final["type"], final["data"]["id"]) == ("job.failed", job_id)
+
+
+def _live_row(ctx: Context, msg_id: str) -> LiveWebhookRetry | None:
+    with ctx.sessions() as s:
+        return s.get(LiveWebhookRetry, msg_id)
+
+
+def test_a_failed_live_event_is_held_in_the_outbox_and_sent_by_the_sweep_once_due(
+        ctx: Context) -> None:
+    with Receiver(fail_first=2) as receiver:
+        with ctx.sessions() as s:
+            job = submit(s, webhook_url=receiver.url, webhook_events=["job.started"])
+            job_id, (msg_id, body) = job.id, started_event(job)
+        t = utcnow()
+        # The worker group's task: the first attempt, then the row holds the retry.
+        assert deliver_logged(ctx, receiver.url, msg_id, "job.started", body, now=t).state == (
+            "pending")
+        row = _live_row(ctx, msg_id)
+        assert row is not None and (row.job_id, row.attempts, row.body) == (
+            job_id, 1, body.decode())
+        assert t + timedelta(seconds=1) <= row.next_attempt_at <= t + timedelta(seconds=3)
+        due = row.next_attempt_at
+        assert sweep_live(ctx, now=due - timedelta(seconds=0.1)) == []
+        assert sweep_live(ctx, now=due) == [(job_id, msg_id)]
+        # Not due yet, a retry sends nothing; due, the sweep's retries go out until delivered.
+        assert redeliver_live(ctx, msg_id, now=due - timedelta(seconds=0.1)).state == "skipped"
+        second = redeliver_live(ctx, msg_id, now=due)
+        assert (second.state, second.attempt, second.status) == ("pending", 2, 500)
+        row = _live_row(ctx, msg_id)
+        assert row is not None and row.attempts == 2 and row.next_attempt_at > due
+        third = redeliver_live(ctx, msg_id, now=row.next_attempt_at)
+        assert (third.state, third.attempt, third.status) == ("delivered", 3, 200)
+        assert _live_row(ctx, msg_id) is None
+        assert sweep_live(ctx, now=utcnow() + timedelta(hours=1)) == []
+    got = receiver.requests
+    assert [(r.answered, r.headers["Kiln-Attempt"]) for r in got] == [
+        (500, "1"), (500, "2"), (200, "3")]
+    assert {r.headers["webhook-id"] for r in got} == {msg_id}
+    assert {r.body for r in got} == {body}
+    assert verified(ctx, got[-1])["type"] == "job.started"
+    with ctx.sessions() as s:
+        log = webhooks.delivery_log(s, job_id)
+        assert [(a.attempt, a.outcome) for a in log.attempts] == [
+            (3, "delivered"), (2, "retrying"), (1, "retrying")]
+
+
+def test_a_live_event_is_given_up_after_max_attempts_and_leaves_no_row(ctx: Context) -> None:
+    with Receiver(fail_first=100, fail_status=503) as receiver:
+        with ctx.sessions() as s:
+            job_id = submit(s, webhook_url=receiver.url).id
+        msg_id, body = progress_event(job_id, 1, 2, 4)
+        assert deliver_logged(ctx, receiver.url, msg_id, "job.progress", body).state == "pending"
+        clock, states = utcnow(), []
+        while owed := sweep_live(ctx, now=(clock := clock + timedelta(minutes=5))):
+            assert owed == [(job_id, msg_id)]
+            states.append(redeliver_live(ctx, msg_id, now=clock).state)
+        assert states == ["pending", "failed"]  # webhook_max_attempts: 3
+    assert len(receiver.requests) == 3
+    assert _live_row(ctx, msg_id) is None
 
 
 def test_the_filter_drops_the_events_not_asked_for(

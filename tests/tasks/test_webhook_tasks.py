@@ -1,5 +1,6 @@
 """Webhook delivery against a real HTTP receiver: signature, retries with backoff, giving up, and
-the sweeper that finds deliveries whose task was lost (the job row is the outbox)."""
+the sweeper that sends each retry once due and finds deliveries whose task was lost (the job row
+is the outbox)."""
 
 from __future__ import annotations
 
@@ -187,6 +188,71 @@ def test_the_sweeper_finds_owed_webhooks_from_the_database_alone(
     for job_id in owed:
         assert deliver(ctx, job_id, now=now).state == "delivered"
     assert sweep(ctx, now=now) == []
+
+
+def test_a_retry_is_sent_by_the_sweep_once_due_until_max_attempts_give_up(
+        ctx: Context) -> None:
+    t = utcnow() - timedelta(minutes=10)
+    with Receiver(fail_first=100, fail_status=503) as receiver:
+        with ctx.sessions() as s:
+            job_id = submit(s, now=t, webhook_url=receiver.url).id
+            fail(s, job_id, now=t)
+        # The task enqueued at the finish makes the first attempt; the retry is left to the row.
+        first = deliver(ctx, job_id, now=t)
+        assert (first.state, first.attempt) == ("pending", 1)
+        assert first.retry_in is not None
+        with ctx.sessions() as s:
+            row = webhooks.delivery(s, job_id)
+            assert row is not None and row.state == "pending"
+            retry_at = row.next_attempt_at
+        assert t + timedelta(seconds=1) <= retry_at <= t + timedelta(seconds=3)
+        # Not before its time; at it, the sweep owes it at once (no grace: the retry is its own).
+        assert sweep(ctx, now=retry_at - timedelta(seconds=0.1)) == []
+        assert sweep(ctx, now=retry_at) == [job_id]
+        # The sweeper's attempts, each at its due time, until webhook_max_attempts (3).
+        now, states = retry_at, []
+        while owed := sweep(ctx, now=now):
+            assert owed == [job_id]
+            states.append(deliver(ctx, job_id, now=now).state)
+            with ctx.sessions() as s:
+                row = webhooks.delivery(s, job_id)
+                assert row is not None
+                now = row.next_attempt_at
+        assert states == ["pending", "failed"]
+        assert sweep(ctx, now=now + timedelta(hours=1)) == []
+    assert [r.headers["Kiln-Attempt"] for r in receiver.requests] == ["1", "2", "3"]
+    with ctx.sessions() as s:
+        row = webhooks.delivery(s, job_id)
+        assert row is not None and (row.state, row.attempts) == ("failed", 3)
+
+
+def test_the_sweep_leaves_a_first_attempt_to_its_task_but_not_a_retry(ctx: Context) -> None:
+    now = utcnow()
+    with ctx.sessions() as s:
+        fresh = submit(s, now=now, webhook_url="http://127.0.0.1:9/hook").id
+        succeed(ctx, s, fresh, now=now)
+        retried = submit(s, now=now, webhook_url="http://127.0.0.1:9/hook").id
+        succeed(ctx, s, retried, now=now)
+        # retried's first attempt failed a moment ago and is due again now.
+        assert webhooks.begin_attempt(s, retried, hold_seconds=60, now=now) is not None
+        assert webhooks.record_result(s, retried, 1, delivered=False, error="HTTP 500",
+                                      retry_at=now, now=now) == "pending"
+    assert sweep(ctx, now=now) == [retried]
+    # After the grace, the first attempt's task is taken for lost.
+    assert sorted(sweep(ctx, now=now + timedelta(seconds=31))) == sorted([fresh, retried])
+
+
+def test_the_sweeper_enqueues_a_due_delivery_once_until_its_task_has_ended(
+        ctx: Context) -> None:
+    # A queue that runs behind: the sweeps after the first enqueue nothing more for "a".
+    assert tasks.dispatch(ctx, "job", ["a", "b"]) == ["a", "b"]
+    assert tasks.dispatch(ctx, "job", ["a", "c"]) == ["c"]
+    assert tasks.dispatch(ctx, "batch", ["a"]) == ["a"]  # another kind, another mark
+    tasks.dispatched(ctx, "job", "a")  # its task ended: the next due attempt may go
+    assert tasks.dispatch(ctx, "job", ["a", "b"]) == ["a"]
+    # Should the task be lost, the mark lapses after an attempt's hold.
+    ttl = ctx.redis.ttl(f"{ctx.settings.redis_prefix}webhook-dispatch:job:b")
+    assert 0 < ttl <= 3 * ctx.settings.webhook_timeout_seconds + 30
 
 
 def test_enqueue_job_finished_skips_jobs_without_a_webhook_and_never_raises(
