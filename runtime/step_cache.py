@@ -64,6 +64,34 @@ class JobCache:
         return {"forwards": self.num_forwards, "forwards_skipped": self.num_forwards_skipped,
                 "blocks_computed": self.num_blocks_computed}
 
+    def to_plain(self) -> dict[str, Any]:
+        """This cache as strings, numbers and tensors (what a checkpoint holds): a job resumed
+        from it decides its next steps as it would have without the interruption."""
+        return {"threshold": self.threshold, "num_forwards": self.num_forwards,
+                "num_forwards_skipped": self.num_forwards_skipped,
+                "num_blocks_computed": self.num_blocks_computed,
+                "forwards": {f"{t}.{p}": {"head_residual": f.head_residual,
+                                          "head_output": f.head_output,
+                                          "rest_residual": f.rest_residual}
+                             for (t, p), f in self.forwards.items()}}
+
+    @classmethod
+    def from_plain(cls, plain: Any) -> JobCache:
+        """The cache `to_plain` wrote; a ValueError saying what does not fit."""
+        try:
+            forwards = {}
+            for key, f in plain["forwards"].items():
+                t, p = (int(x) for x in key.split("."))
+                forwards[(t, p)] = ForwardCache(head_residual=f["head_residual"],
+                                                head_output=f["head_output"],
+                                                rest_residual=f["rest_residual"])
+            return cls(threshold=float(plain["threshold"]), forwards=forwards,
+                       num_forwards=int(plain["num_forwards"]),
+                       num_forwards_skipped=int(plain["num_forwards_skipped"]),
+                       num_blocks_computed=int(plain["num_blocks_computed"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"not a step cache ({type(exc).__name__}: {exc})") from None
+
 
 def job_cache(threshold: float | None) -> JobCache | None:
     """A job's step cache at ``threshold`` (None: exact, no cache)."""

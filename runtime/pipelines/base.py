@@ -60,7 +60,7 @@ import abc
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import torch
@@ -201,22 +201,42 @@ class VideoPipeline(abc.ABC):
     def resume_tensors(self, state: DenoiseState) -> dict[str, torch.Tensor]:
         """The tensors of what ``state``'s steps changed, by name: the latents, the tensors of
         every diffusers scheduler in ``state.extra`` (a multistep one's history of model
-        outputs), every torch.Generator's state there, and the entries ``resume_keys``. What
-        ``prepare`` builds from the request (text embeddings, rotary tables) is not among them.
+        outputs), every torch.Generator's state there, the entries ``resume_keys``, and a
+        caching job's step cache (what its next steps decide from). What ``prepare`` builds from
+        the request (text embeddings, rotary tables) is not among them.
         """
-        return resumable.capture(state, self.resume_keys)[0]
+        return resumable.capture(*self._resumable(state))[0]
 
     def resume_values(self, state: DenoiseState) -> dict[str, Any]:
         """The rest of what `resume_tensors` saves, as JSON: the step index, the schedulers'
         counters, and where each tensor goes (by its name)."""
-        return resumable.capture(state, self.resume_keys)[1]
+        return resumable.capture(*self._resumable(state))[1]
 
     def load_resume(self, state: DenoiseState, tensors: dict[str, torch.Tensor],
                     values: dict[str, Any]) -> None:
         """Overwrite ``state``, fresh from ``prepare`` for the same request, with what
         `resume_tensors` and `resume_values` saved; ``resumable.IncompatibleCheckpoint``, and
         ``state`` as it was, when they do not fit it (another shape, dtype or scheduler)."""
-        resumable.load(state, self.resume_keys, tensors, values)
+        keys = self._resumable(state)[1]
+        resumable.load(state, keys, tensors, values)
+        if STEP_CACHE in keys:
+            plain = state.extra.pop(STEP_CACHE)
+            if plain is not None:
+                try:
+                    state.extra[STEP_CACHE] = JobCache.from_plain(plain)
+                except ValueError as exc:
+                    raise resumable.IncompatibleCheckpoint(f"extra.{STEP_CACHE}: {exc}") from None
+
+    def _resumable(self, state: DenoiseState) -> tuple[DenoiseState, tuple[str, ...]]:
+        """``state`` as `resumable` saves it, and the entries of ``state.extra`` it saves: a
+        caching job's step cache as plain values (None before its first step) besides
+        ``resume_keys``."""
+        if state.request.step_cache is None:
+            return state, self.resume_keys
+        cache = state.extra.get(STEP_CACHE)
+        plain = cache.to_plain() if cache is not None else None
+        return (replace(state, extra={**state.extra, STEP_CACHE: plain}),
+                (*self.resume_keys, STEP_CACHE))
 
     @property
     def gathers_weights(self) -> bool:
@@ -386,15 +406,18 @@ class VideoPipeline(abc.ABC):
                 handle.close()
 
 
+STEP_CACHE = "step_cache"  # where a caching job keeps its `JobCache`, in ``state.extra``
+
+
 def job_cache_of(state: DenoiseState) -> JobCache | None:
     """The job's step cache (``runtime.step_cache``), made at its first step from its
-    request's ``step_cache``; None for an exact job. Not part of a checkpoint: a resumed job's
-    first forward runs every block again."""
+    request's ``step_cache``; None for an exact job. Part of its checkpoints
+    (`VideoPipeline.resume_tensors`): a resumed job decides as it would have."""
     if state.request.step_cache is None:
         return None
-    if "step_cache" not in state.extra:
-        state.extra["step_cache"] = job_cache(state.request.step_cache)
-    return state.extra["step_cache"]
+    if STEP_CACHE not in state.extra:
+        state.extra[STEP_CACHE] = job_cache(state.request.step_cache)
+    return state.extra[STEP_CACHE]
 
 
 class Agreed(list[bool]):

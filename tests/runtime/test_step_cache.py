@@ -350,3 +350,31 @@ def test_a_jobs_end_and_the_ranks_status_count_its_gathers_and_computed_blocks()
         pipe.close()
     assert ends["exact"].blocks_computed == 12 * 4 and ends["exact"].gathers == 0
     assert ends["fast"].blocks_computed < ends["exact"].blocks_computed
+
+
+def test_a_caching_job_resumed_from_a_checkpoint_renders_the_uninterrupted_frames():
+    """Its step cache travels in the checkpoint: resumed at any step, the job skips the steps it
+    would have skipped and its frames are the uninterrupted render's, bit for bit."""
+    from runtime.resume import restore, snapshot
+
+    pipe = TinyPipeline.load(device="cpu")
+    request = VideoRequest(prompt="waves at dusk", seed=2, num_inference_steps=12,
+                           step_cache=tier_threshold("kiln-tiny", "fast"))
+    try:
+        plain = pipe.prepare(request)
+        while not plain.done:
+            pipe.step(plain)
+        for at in (0, 5, 9):
+            state = pipe.prepare(request)
+            for _ in range(at):
+                pipe.step(state)
+            blob = snapshot(pipe, state, model_fingerprint="m")
+            resumed = restore(pipe, request, blob, model_fingerprint="m")
+            assert resumed.step_index == at
+            while not resumed.done:
+                pipe.step(resumed)
+            assert torch.equal(resumed.latents, plain.latents), at
+            assert resumed.extra["step_cache"].figures() == plain.extra["step_cache"].figures()
+    finally:
+        pipe.close()
+    assert plain.extra["step_cache"].num_blocks_computed < 12 * 4
