@@ -145,8 +145,8 @@ class StepPlan:
     abandon: list[str] = field(default_factory=list)
     stop: bool = False  # leave the loop (every rank)
     step: bool = False  # some rank has a job: every rank runs one step
-    # Replicas at their own pace: these replicas stop (a replica of one rank part-way through an
-    # exact job's step, which it takes again later: `_Interrupt`; else at its next step
+    # Replicas at their own pace: these replicas stop (a replica of one rank part-way through a
+    # step, which it takes again later: `_Interrupt`; else at its next step
     # boundary), report (`RankReport.waiting`) and wait up to HOLD_SECONDS for their next orders
     # before they step again: a job about to be claimed for them (an interactive one that
     # preempts their batch job) then starts at once rather than after the step it arrived in.
@@ -1046,10 +1046,8 @@ class _Interrupt:
     (`StepInterrupted`): an interactive job then waits for one layer of a batch job's step,
     not the whole step (a 256x256x33 kiln-tiny step takes 0.5 s on one core; its longest
     stretch between two modules, a self-attention, 75 ms). What is left of the step is lost (at
-    most a step's compute per preemption); the orders wait in ``pending`` for the loop.
-
-    Only an exact job's step is left part-way: a step cache updates the job's state inside the
-    step (`runtime.step_cache`), so a caching job's step runs to its end, as before."""
+    most a step's compute per preemption); the orders wait in ``pending`` for the loop. The
+    job's state is as before the step (`VideoPipeline.step`: a caching job's step cache too)."""
 
     LOOK_SECONDS = 0.005  # a look costs a round trip to the store: tens of microseconds
 
@@ -1065,8 +1063,8 @@ class _Interrupt:
                        for block in handle.block_modules for module in block.modules()]
 
     def arm(self, ticket: Ticket) -> None:
-        """``ticket``'s job steps now: its step may be left part-way if it is an exact one."""
-        self._job_id = ticket.job_id if ticket.request.step_cache is None else None
+        """``ticket``'s job steps now: its step may be left part-way."""
+        self._job_id = ticket.job_id
         self._looked = time.monotonic()
 
     def disarm(self) -> None:

@@ -260,7 +260,9 @@ class VideoPipeline(abc.ABC):
 
     def step(self, state: DenoiseState, active: Sequence[bool] | None = None) -> None:
         """One denoising step; ``active``: the transformers the group runs this step (the union
-        of its ranks' needs, `agree_handles`; None: all of them)."""
+        of its ranks' needs, `agree_handles`; None: all of them). A step that raises leaves the
+        job's state as it was before it: the latents change only at its end, and a caching
+        job's step cache is put back."""
         if state.done:
             raise ValueError(f"the job has run all its {state.num_inference_steps} steps")
         on = self._active(active)
@@ -274,6 +276,8 @@ class VideoPipeline(abc.ABC):
             deciding = job is not None and not self.gathers_weights
         self._begin_step(targets, deciding)
         counts = self._counts()
+        # The cache's forwards are replaced, never changed in place: a plain copy keeps them.
+        cache_before = job.to_plain() if job is not None else None
         try:
             if job is not None and not deciding:
                 raise ValueError("a job that caches steps on ranks that gather weights needs "
@@ -287,6 +291,10 @@ class VideoPipeline(abc.ABC):
                                  f"does not run this step (active={on})")
             with use_adapters(self, state.request.adapters):
                 self._denoise(state)
+        except BaseException:
+            if cache_before is not None:
+                state.extra[STEP_CACHE] = JobCache.from_plain(cache_before)
+            raise
         finally:
             # The gathers this job did not need (no CFG, the expert another rank needs), or that
             # a forward which raised part-way never issued: every other rank is waiting for them.

@@ -1,7 +1,7 @@
 """A replica at its own pace leaves a step part-way for orders that want it
 (`runtime.rank_loop._Interrupt`): the orders wait for the loop, nothing of the step is kept, and
 the job's frames equal an uninterrupted render's, bit for bit, however many of its steps were
-left, in kiln-tiny and in a tiny Wan streamed from a rank-local copy."""
+left, in kiln-tiny (exact and caching) and in a tiny Wan streamed from a rank-local copy."""
 
 from __future__ import annotations
 
@@ -83,17 +83,23 @@ def test_kiln_tiny_left_part_way_renders_the_uninterrupted_frames() -> None:
     assert np.array_equal(held, plain) and np.array_equal(other, plain)
 
 
-def test_a_caching_job_runs_its_steps_to_their_end() -> None:
+def test_a_caching_job_left_part_way_renders_the_uninterrupted_frames() -> None:
+    """Its step cache is put back as it was before the step it left: the job skips what it
+    would have skipped, and its frames and computed blocks are the uninterrupted render's."""
     from runtime.pipelines.tiny import TinyPipeline
 
     loop = _loop(TinyPipeline.load(device="cpu"))
     request = VideoRequest(prompt="waves at dusk", width=64, height=64, num_frames=9,
-                           num_inference_steps=4, seed=1, step_cache=0.2)
+                           num_inference_steps=12, seed=1, step_cache=0.2)
     try:
-        _, interrupted = _render(loop, request, Orders(StepPlan(hold=[0]), {2, 3, 4}))
+        plain, _ = _render(loop, request, None)
+        plain_blocks = loop.pipe.step_caches[0].num_blocks_computed
+        held, interrupted = _render(loop, request, Orders(StepPlan(hold=[0]), {3, 30, 60, 90}))
     finally:
         loop.close()
-    assert interrupted == 0
+    assert interrupted == 4
+    assert np.array_equal(held, plain)
+    assert plain_blocks < 12 * 4
 
 
 def test_a_streamed_wan_left_part_way_renders_the_uninterrupted_frames(tmp_path: Path) -> None:
