@@ -230,9 +230,13 @@ class Coordinator:
         # pace the ranks report when they step, each on its own).
         self.rank_reports: dict[int, RankReport] = {}
         self.own_pace = False
-        # At their own pace a replica is preempted in two plans: a hold first (it stops at its
-        # next step boundary), then, once its report says it waits there (`waiting`), the claim
-        # of the interactive job for it. Replica -> when its hold went out.
+        # At their own pace a replica of one rank leaves its step part-way for the job it is
+        # given (`runtime.rank_loop._Interrupt`): the interactive job is claimed for it at once.
+        # A replica of several ranks keeps to step boundaries, so it is preempted in two plans:
+        # a hold first (it stops at its next step boundary), then, once its report says it waits
+        # there (`waiting`), the claim of the interactive job for it. Replica -> when its hold
+        # went out.
+        self.replicas_interrupt = layout.sp == 1
         self.holds: dict[int, float] = {}
         self._backoff = 0.0  # seconds claims pause after the last outage error
         self._failed_claims = 0  # in a row, for the backoff
@@ -383,10 +387,11 @@ class Coordinator:
         """Claims jobs for the free replicas into ``plan.assign``; with none free, in a group
         whose goal is latency (interactive jobs first), an interactive job that is due is
         claimed for the replica whose batch job has the most work left, which suspends that job
-        in place (`scheduler.turns.preempt_target`). At their own pace that replica is held
-        first (`StepPlan.hold`), and the job claimed for it once it waits at its step boundary:
-        a claim made in the middle of its step would wait for the rest of that step. A
-        throughput group serves batch work first: it does not preempt it."""
+        in place (`scheduler.turns.preempt_target`). At their own pace a replica of several
+        ranks is held first (`StepPlan.hold`), and the job claimed for it once it waits at its
+        step boundary: a claim made in the middle of its step would wait for the rest of that
+        step (a replica of one rank leaves the step for it). A throughput group serves batch
+        work first: it does not preempt it."""
         held = {h.replica for h in self.held.values()}
         free = [r for r in self.layout.leaders if r not in held and r not in self.full_ranks]
         job_class = None
@@ -396,7 +401,7 @@ class Coordinator:
             target = self._preempt_target()
             if target is None or not self.io.interactive_due():
                 return
-            if self.own_pace and target not in self.waiting:
+            if self.own_pace and not self.replicas_interrupt and target not in self.waiting:
                 if self.clock() - self.holds.get(target, -float("inf")) > HOLD_RETRY_SECONDS:
                     self.holds[target] = self.clock()
                     plan.hold.append(target)

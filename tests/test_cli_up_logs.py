@@ -72,3 +72,5 @@ def test_one_jobs_life_is_followed_by_its_id_through_every_process_log(tmp_path:
     # The rank's lines carry the job's attempt too; the submit and the webhook have none.
     assert {r["attempt"] for r in records if r["process"] == "worker"} == {1}
     assert {r["process"] for r in records} == {"api", "worker", "celery"}
+    for r in sorted(records, key=lambda r: r["ts"]):  # shown with -s
+        print(r["ts"], r["process"], r["logger"], r["msg"])

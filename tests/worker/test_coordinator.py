@@ -252,9 +252,23 @@ def test_a_due_interactive_job_preempts_the_batch_job_with_the_most_work_left() 
     assert [j for j, _, e in g.io.ended] == ["i"]
 
 
+def test_at_their_own_pace_a_replica_of_one_rank_is_given_the_interactive_job_at_once() -> None:
+    """It leaves its step part-way for the job (`runtime.rank_loop._Interrupt`): no hold."""
+    g = Group(dp=2)
+    g.c.own_pace = True  # what start(..., own_pace=True) sets, without the lease thread
+    g.io.submit("long", steps=100)
+    g.io.submit("short", steps=40)
+    g.turn()
+    g.io.submit("i", INTERACTIVE, steps=4)
+    plan = g.plan()
+    assert plan.hold == [] and {r: t.job_id for r, t in plan.assign.items()} == {0: "i"}
+    assert g.io.claims_asked[-1] == ([0], INTERACTIVE)
+
+
 def test_at_their_own_pace_the_replica_is_held_at_its_step_boundary_before_the_claim() -> None:
     g = Group(dp=2)
     g.c.own_pace = True  # what start(..., own_pace=True) sets, without the lease thread
+    g.c.replicas_interrupt = False  # replicas of several ranks keep to step boundaries
     g.io.submit("long", steps=100)
     g.io.submit("short", steps=40)
     g.turn()
