@@ -532,12 +532,16 @@ def _overnight_section(night: dict[str, Any]) -> list[str]:
                      f" | {once['succeeded']} of {once['jobs']}, "
                      f"{'yes' if once['ok'] else 'no'} |")
     taken = [mode for mode, m in night["modes"].items() if m["running"]["ok"]]
-    lines += ["", "A job is taken at a step boundary: an interactive job that arrives while both "
-              "replicas are in a batch step waits for that step, which is what the wait's bound "
-              "allows. Its latency from submit is within 2x solo only where a batch step is no "
-              "longer than a small job's whole solo render. In rank-local mode the replicas keep "
-              "their own pace: the replica to preempt is held at its next step boundary and the "
-              "job claimed for it there. Once taken, it rendered within 2x its solo time in "
+    lines += ["", "In allgather mode the group turns in lock-step, so a job is taken at a step "
+              "boundary: an interactive job that arrives while both replicas are in a batch step "
+              "waits for that step, which is what the wait's bound allows, and its latency from "
+              "submit is within 2x solo only where a batch step is no longer than a small job's "
+              "whole solo render. In rank-local mode the replicas keep their own pace: the job "
+              "is claimed for the replica to preempt at once, and that replica (one rank) leaves "
+              "its batch step part-way, between two modules of a block "
+              "(`runtime.rank_loop._Interrupt`), taking the step again later; the longest such "
+              "stretch in this batch job's step, a self-attention, is about 75 ms. Once taken, "
+              "the job rendered within 2x its solo time in "
               f"{' and '.join(taken) if taken else 'no mode'} in this run.", ""]
     return lines
 
