@@ -48,9 +48,11 @@ class Api:
             states = sorted(tuple(r) for r in rows)
         return {"counts": counts, "jobs": states}
 
-    def finish(self, job_id: str, video: bytes = b"mp4", thumb: bytes = b"png") -> None:
+    def finish(self, job_id: str, video: bytes = b"mp4", thumb: bytes = b"png",
+               **fields: object) -> None:
         """Finish a job the way a worker would -- guarded claim and finish through the
-        repository, outputs through LocalStore -- without rendering anything."""
+        repository, outputs through LocalStore -- without rendering anything; ``fields``: what
+        the worker says of the attempt (`lifecycle.finish_succeeded`'s ``has_audio``, ...)."""
         with self.session() as s:
             claim = lifecycle.claim_job(s, job_id, worker_group_id="test-group", rank=0,
                                         lease_seconds=60)
@@ -59,7 +61,8 @@ class Api:
             self.store.put_bytes(thumbnail_key(job_id), thumb)
             assert lifecycle.finish_succeeded(s, job_id, claim.attempt_token,
                                               video_key=video_key(job_id),
-                                              thumbnail_key=thumbnail_key(job_id))
+                                              thumbnail_key=thumbnail_key(job_id),
+                                              **fields)
 
 
 def make_settings(db_url: str, prefix: str, tmp_path: Path, **overrides: object) -> Settings:

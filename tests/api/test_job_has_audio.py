@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from storage import lifecycle
-from storage.outputs import thumbnail_key, video_key
 from storage.tables import Job
 
 
@@ -20,25 +18,13 @@ def _submit(api, prompt: str) -> str:  # noqa: ANN001
     return r.json()["id"]
 
 
-def _finish(api, job_id: str, has_audio: bool | None) -> None:  # noqa: ANN001
-    with api.session() as s:
-        claim = lifecycle.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=60)
-        assert claim is not None
-        api.store.put_bytes(video_key(job_id), b"mp4")
-        api.store.put_bytes(thumbnail_key(job_id), b"png")
-        assert lifecycle.finish_succeeded(s, job_id, claim.attempt_token,
-                                          video_key=video_key(job_id),
-                                          thumbnail_key=thumbnail_key(job_id),
-                                          has_audio=has_audio)
-
-
 @pytest.mark.parametrize("has_audio", [True, False, None])
 def test_has_audio_is_written_with_the_video_and_shown_on_the_job_and_the_video(api, has_audio):
     job_id = _submit(api, "a red circle")
     video = api.client.get(f"/v1/videos/{job_id}", headers=api.auth("alice"))
     assert video.status_code == 200, video.text
     assert video.json()["has_audio"] is None
-    _finish(api, job_id, has_audio)
+    api.finish(job_id, has_audio=has_audio)
     with api.session() as s:
         assert s.get(Job, job_id).has_audio is has_audio
     job = api.client.get(f"/v1/jobs/{job_id}", headers=api.auth("alice")).json()

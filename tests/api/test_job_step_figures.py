@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
-from storage import lifecycle
-from storage.outputs import thumbnail_key, video_key
 from storage.tables import JobEvent
 
 
@@ -23,15 +21,7 @@ def test_a_jobs_gathers_and_computed_blocks_are_recorded_and_shown(api, gathers,
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
     assert r.json()["gathers"] is None and r.json()["blocks_computed"] is None
-    with api.session() as s:
-        claim = lifecycle.claim_job(s, job_id, worker_group_id="g", rank=0, lease_seconds=60)
-        assert claim is not None
-        api.store.put_bytes(video_key(job_id), b"mp4")
-        api.store.put_bytes(thumbnail_key(job_id), b"png")
-        assert lifecycle.finish_succeeded(s, job_id, claim.attempt_token,
-                                          video_key=video_key(job_id),
-                                          thumbnail_key=thumbnail_key(job_id),
-                                          gathers=gathers, blocks_computed=blocks_computed)
+    api.finish(job_id, gathers=gathers, blocks_computed=blocks_computed)
     job = api.client.get(f"/v1/jobs/{job_id}", headers=api.auth("alice")).json()
     assert (job["gathers"], job["blocks_computed"]) == (gathers, blocks_computed)
     with api.session() as s:
