@@ -204,6 +204,7 @@ def job_data(job: Job) -> dict[str, Any]:
         "video_url": f"/v1/jobs/{job.id}/video" if done and job.output_video_key else None,
         "thumbnail_url": (f"/v1/jobs/{job.id}/thumbnail"
                           if done and job.output_thumbnail_key else None),
+        "has_audio": job.has_audio,  # whether the video has a soundtrack; null until written
         "error": error,
         "metadata": job.meta,
     }

@@ -44,7 +44,8 @@ def submit(session: Session, *, now: datetime = T0, owner: str = "alice", max_at
                                  max_attempts=max_attempts, now=now).job
 
 
-def succeed(ctx: Context, session: Session, job_id: str, *, now: datetime = T0) -> None:
+def succeed(ctx: Context, session: Session, job_id: str, *, now: datetime = T0,
+            has_audio: bool | None = None) -> None:
     """Claims and finishes the job with a video and thumbnail in the store."""
     claim = lifecycle.claim_job(session, job_id, worker_group_id="g", rank=0, lease_seconds=60,
                                 now=now)
@@ -53,7 +54,8 @@ def succeed(ctx: Context, session: Session, job_id: str, *, now: datetime = T0) 
     ctx.store.put_bytes(thumbnail_key(job_id), b"png")
     assert lifecycle.finish_succeeded(session, job_id, claim.attempt_token,
                                       video_key=video_key(job_id),
-                                      thumbnail_key=thumbnail_key(job_id), now=now)
+                                      thumbnail_key=thumbnail_key(job_id), now=now,
+                                      has_audio=has_audio)
 
 
 def fail(session: Session, job_id: str, *, now: datetime = T0) -> None:

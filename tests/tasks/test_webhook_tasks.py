@@ -35,7 +35,7 @@ def test_failed_posts_are_retried_with_doubling_backoff_until_a_signed_delivery_
     t = utcnow() - timedelta(minutes=1)
     with ctx.sessions() as s:
         job_id = submit(s, now=t, webhook_url=receiver.url, metadata={"ref": "42"}).id
-        succeed(ctx, s, job_id, now=t)
+        succeed(ctx, s, job_id, now=t, has_audio=True)
 
     first = deliver(ctx, job_id, now=t)
     # The waits double from webhook_backoff_seconds (2 s), each jittered over its upper half.
@@ -67,6 +67,7 @@ def test_failed_posts_are_retried_with_doubling_backoff_until_a_signed_delivery_
     assert body["type"] == "job.succeeded"
     assert body["data"]["id"] == job_id and body["data"]["status"] == "succeeded"
     assert body["data"]["video_url"] == f"/v1/jobs/{job_id}/video"
+    assert body["data"]["has_audio"] is True  # the video has a soundtrack
     assert body["data"]["metadata"] == {"ref": "42"} and body["data"]["error"] is None
     with ctx.sessions() as s:
         row = webhooks.delivery(s, job_id)
