@@ -282,6 +282,9 @@ def input_problems(family: Family, kind: str | None, *, field: str = "input_refe
     if strength is not None:
         if kind != "video":
             problems.append(Problem("strength", "applies to a video input only"))
+        elif not family.takes_strength:
+            problems.append(Problem("strength", f"{family.name} keeps the clip's frames as they "
+                                                "are and renders the rest: it takes no strength"))
         elif not 0.0 < strength <= 1.0:
             problems.append(Problem("strength", f"must be in (0, 1], got {strength}"))
     return problems

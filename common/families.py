@@ -68,6 +68,9 @@ class Family:
     inputs: frozenset[str] = frozenset()
     # Whether every render needs one of those inputs (image-to-video); False: text alone will do.
     needs_input: bool = False
+    # Whether a video input is rendered video-to-video, noised part-way by a request's strength;
+    # False: the clip's frames are kept as they are and the rest rendered (Cosmos3), no strength.
+    takes_strength: bool = True
     # A clip has frame_base + k * frame_stride frames, between min_frames and max_frames: 1 + 4k
     # for the causal VAEs (the first frame alone, then 4 per latent frame); MiniMax-H3's VAE
     # encodes clips of 17 frames into 5 latents plus two, so 5 + 17k, from 5 s to 15 s.
@@ -171,6 +174,7 @@ COSMOS3 = Family(
     prompt_rows=60 + PROMPT_TOKENS,
     max_tokens=44_320,  # its default: 48 latent frames x 23 x 40 patches, and a prompt's 160
     inputs=frozenset({"image", "video"}),
+    takes_strength=False,  # a clip's frames are kept, not noised part-way
 )
 # MiniMax-H3: its modular pipeline's defaults (the 16:9 canvas of 1344x768, 124 frames: 5 s at
 # its fixed 24 fps; 50 steps, which run 49 forwards); guidance-distilled, so it takes no guidance

@@ -284,3 +284,15 @@ def test_a_quality_tier_is_held_to_what_the_model_measured() -> None:
                         "measured step cache thresholds), not balanced"}]
     with pytest.raises(ValidationError):  # the schema's 422 names the three tiers
         JobCreate(**OK_BODY, quality="fastest")
+
+
+def test_a_strength_is_refused_for_a_family_that_keeps_a_clips_frames() -> None:
+    """Cosmos3 keeps a clip's frames as they are and renders the rest: a strength is refused at
+    the door, as its pipeline would refuse it; Wan renders a clip video-to-video and takes it."""
+    from common.admission import input_problems
+    from common.families import COSMOS3, WAN
+
+    (problem,) = input_problems(COSMOS3, "video", strength=0.5)
+    assert problem.field == "strength" and "takes no strength" in problem.message
+    assert input_problems(COSMOS3, "video") == []
+    assert input_problems(WAN, "video", strength=0.5) == []
