@@ -157,9 +157,11 @@ def step_lockstep(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
 
 def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], out: str,
                 on_step: Callable[[int, int], None] | None = None, *,
-                started: float | None = None, layout: Layout = SOLO) -> RankReport:
+                started: float | None = None, layout: Layout = SOLO,
+                audio: bool = True) -> RankReport:
     """This rank's share of a lock-step render: its replica's request (if any), written at its
-    ``fps`` by the replica's first rank; idle steps otherwise."""
+    ``fps`` by the replica's first rank; idle steps otherwise. ``audio``: whether the MP4 gets
+    the soundtrack, where the pipeline makes one."""
     started = time.perf_counter() if started is None else started
     index = layout.replica(rank)
     state = step_lockstep(pipe, index, requests, on_step)
@@ -170,7 +172,7 @@ def render_rank(pipe: VideoPipeline, rank: int, requests: list[VideoRequest], ou
         frames = frames_to_uint8(decoded).cpu().numpy()
         num_frames = int(frames.shape[0])
         video, thumb = write_outputs(frames, output_path(out, index), fps=requests[index].fps,
-                                     audio=soundtrack(pipe, state))
+                                     audio=soundtrack(pipe, state) if audio else None)
     peak, pss, private = memory_figures()
     dlo = next((h.stats() for h in pipe.handles if h is not None), {})
     return RankReport(rank=rank, out=str(video) if video else None,
@@ -190,14 +192,14 @@ def _load_on_rank(model: str, use_allgather: bool, layout: Layout,
 
 def _render_on_rank(ctx: RankContext, model: str, requests: list[VideoRequest], out: str,
                     use_allgather: bool, layout: Layout, device_budget: DeviceBudget,
-                    weights_dtype: str = "checkpoint") -> RankReport:
+                    weights_dtype: str = "checkpoint", audio: bool = True) -> RankReport:
     started = time.perf_counter()
     pipe = _load_on_rank(model, use_allgather, layout, device_budget, weights_dtype)
     try:
         step_cb = ((lambda i, n: ctx.messages.put(("step", ctx.rank, i, n)))
                    if ctx.rank == 0 else None)
         return render_rank(pipe, ctx.rank, requests, out, step_cb, started=started,
-                           layout=layout)
+                           layout=layout, audio=audio)
     finally:
         pipe.close()
 
@@ -249,10 +251,11 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
            weights_dtype: str = "checkpoint",
            on_step: Callable[[int, int], None] | None = None,
            on_sample: Callable[[int], None] | None = None,
-           timeout_s: float = 3600.0) -> list[RankReport]:
+           timeout_s: float = 3600.0, audio: bool = True) -> list[RankReport]:
     """Render ``requests`` (at most ``dp``) on ``dp`` replicas of ``sp`` ranks each (request i
     on replica i, its token sequence split over the replica's ranks); one report per rank;
-    ``weights_dtype``: see `load_pipeline`."""
+    ``weights_dtype``: see `load_pipeline`; ``audio``: whether the MP4s get the soundtrack the
+    pipeline makes (MiniMax-H3's)."""
     if not requests:
         raise ValueError("no request to render")
     layout = Layout(dp=dp, sp=sp)
@@ -264,7 +267,7 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
         pipe = load_pipeline(model, use_allgather=use_allgather, device_budget=device_budget,
                              weights_dtype=weights_dtype)
         try:
-            return [render_rank(pipe, 0, requests, out, on_step)]
+            return [render_rank(pipe, 0, requests, out, on_step, audio=audio)]
         finally:
             pipe.close()
 
@@ -273,5 +276,6 @@ def render(model: str, requests: list[VideoRequest], out: str | os.PathLike[str]
             on_step(*payload)
 
     return run_ranks(layout.world, _render_on_rank, model, requests, out, use_allgather, layout,
-                     device_budget, weights_dtype, on_message=on_message, on_sample=on_sample,
+                     device_budget, weights_dtype, audio, on_message=on_message,
+                     on_sample=on_sample,
                      timeout_s=timeout_s)

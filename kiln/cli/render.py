@@ -76,6 +76,8 @@ def render(
         help="How --image/--video is fitted to the size: crop, pad or stretch.")] = "crop",
     strength: Annotated[float | None, typer.Option(
         help="Video-to-video: how far the render moves from --video (1: pure noise).")] = None,
+    audio: Annotated[bool, typer.Option(
+        help="Write the soundtrack the model makes (MiniMax-H3) into the MP4.")] = True,
 ) -> None:
     """Render videos with DLO, without the service, and write MP4 + PNG thumbnail. A request
     the model cannot render is refused before anything loads."""
@@ -129,7 +131,7 @@ def render(
                                  use_allgather=not rank_local,
                                  device_budget=device_budget(budget),
                                  weights_dtype=parse_weights_dtype(weights_dtype),
-                                 on_step=on_step, on_sample=pss_samples.append)
+                                 on_step=on_step, on_sample=pss_samples.append, audio=audio)
         except ValueError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from exc

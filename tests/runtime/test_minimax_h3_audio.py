@@ -85,3 +85,7 @@ def test_a_local_render_writes_the_soundtrack_into_its_mp4(model_dir, tmp_path):
     assert streams["video"][0] == "h264" and streams["audio"][0] == "aac"
     assert abs(streams["video"][1] - streams["audio"][1]) < 1 / REQUEST.fps
     assert read_audio(report.out).samples.shape == (2, 124 * 32_000 // 24)
+    # Asked not to (kiln render --no-audio), the MP4 holds the video alone.
+    [silent] = render(str(model_dir), [REQUEST], tmp_path / "silent.mp4", audio=False)
+    with av.open(silent.out) as c:
+        assert [s.type for s in c.streams] == ["video"]
