@@ -34,7 +34,16 @@ from typing import Any
 from common import logs, retry
 from kiln.config import WorkerConfig
 from kiln.group_io import Claimed, GroupIO
-from runtime.rank_loop import Ended, Progress, RankMessage, RankReport, Rendered, StepPlan, Ticket
+from runtime.rank_loop import (
+    Ended,
+    Progress,
+    RankMessage,
+    RankReport,
+    Rendered,
+    StepPlan,
+    Ticket,
+    leaves_steps_part_way,
+)
 from runtime.sequence import Layout
 from scheduler.attempts import Ending
 from scheduler.cost import CostModel
@@ -236,7 +245,7 @@ class Coordinator:
         # a hold first (it stops at its next step boundary), then, once its report says it waits
         # there (`waiting`), the claim of the interactive job for it. Replica -> when its hold
         # went out.
-        self.replicas_interrupt = layout.sp == 1
+        self.replicas_interrupt = leaves_steps_part_way(layout)
         self.holds: dict[int, float] = {}
         self._backoff = 0.0  # seconds claims pause after the last outage error
         self._failed_claims = 0  # in a row, for the backoff

@@ -146,10 +146,10 @@ class StepPlan:
     stop: bool = False  # leave the loop (every rank)
     step: bool = False  # some rank has a job: every rank runs one step
     # Replicas at their own pace: these replicas stop (a replica of one rank part-way through a
-    # step, which it takes again later: `_Interrupt`; else at its next step
-    # boundary), report (`RankReport.waiting`) and wait up to HOLD_SECONDS for their next orders
-    # before they step again: a job about to be claimed for them (an interactive one that
-    # preempts their batch job) then starts at once rather than after the step it arrived in.
+    # step, which it takes again later: `_Interrupt`; else at its next step boundary), report
+    # (`RankReport.waiting`) and wait up to HOLD_SECONDS for their next orders before they step
+    # again: a job about to be claimed for them (an interactive one that preempts their batch
+    # job) then starts at once rather than after the step it arrived in.
     hold: list[int] = field(default_factory=list)
 
 
@@ -967,9 +967,7 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
     first rank broadcasts the orders it took to the others on the replica's own group."""
     layout = loop.layout
     mailbox = open_mailbox(rank, control)
-    # A replica of one rank may leave a step part-way for orders that want it (`_Interrupt`);
-    # the ranks of a larger replica run collectives within it, so they keep to step boundaries.
-    interrupt = _Interrupt(loop, mailbox) if layout.sp == 1 else None
+    interrupt = _Interrupt(loop, mailbox) if leaves_steps_part_way(layout) else None
     # A job's final status goes out from the writer thread as soon as its files are stored.
     loop.send_stored = mailbox.clone().report
     replica_group = _replica_group(rank, layout)
@@ -1036,6 +1034,13 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
     dist.barrier(group=control)
     if conductor is not None and conductor.error is not None:
         raise RuntimeError("the group's coordinator failed") from conductor.error
+
+
+def leaves_steps_part_way(layout: Layout) -> bool:
+    """Whether the replicas of ``layout``, at their own pace, leave a step part-way for orders
+    that want them (`_Interrupt`): replicas of one rank do; the ranks of a larger replica run
+    collectives within it, so they keep to step boundaries."""
+    return layout.sp == 1
 
 
 class _Interrupt:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ class ForwardCache:
     rest_residual: torch.Tensor | None = None  # the last block's output minus the first's
 
 
+_FORWARD_FIELDS = tuple(f.name for f in fields(ForwardCache))
+
+
 @dataclass(kw_only=True, slots=True)
 class JobCache:
     """A job's step cache: its threshold, the state of each of its forwards (keyed by the
@@ -64,15 +67,18 @@ class JobCache:
         return {"forwards": self.num_forwards, "forwards_skipped": self.num_forwards_skipped,
                 "blocks_computed": self.num_blocks_computed}
 
+    def copy(self) -> JobCache:
+        """This cache as it is now: its forwards' tensors are replaced by a step, never changed
+        in place, so copies of the forwards keep them."""
+        return replace(self, forwards={k: replace(f) for k, f in self.forwards.items()})
+
     def to_plain(self) -> dict[str, Any]:
         """This cache as strings, numbers and tensors (what a checkpoint holds): a job resumed
         from it decides its next steps as it would have without the interruption."""
         return {"threshold": self.threshold, "num_forwards": self.num_forwards,
                 "num_forwards_skipped": self.num_forwards_skipped,
                 "num_blocks_computed": self.num_blocks_computed,
-                "forwards": {f"{t}.{p}": {"head_residual": f.head_residual,
-                                          "head_output": f.head_output,
-                                          "rest_residual": f.rest_residual}
+                "forwards": {f"{t}.{p}": {n: getattr(f, n) for n in _FORWARD_FIELDS}
                              for (t, p), f in self.forwards.items()}}
 
     @classmethod
@@ -82,9 +88,7 @@ class JobCache:
             forwards = {}
             for key, f in plain["forwards"].items():
                 t, p = (int(x) for x in key.split("."))
-                forwards[(t, p)] = ForwardCache(head_residual=f["head_residual"],
-                                                head_output=f["head_output"],
-                                                rest_residual=f["rest_residual"])
+                forwards[(t, p)] = ForwardCache(**{n: f[n] for n in _FORWARD_FIELDS})
             return cls(threshold=float(plain["threshold"]), forwards=forwards,
                        num_forwards=int(plain["num_forwards"]),
                        num_forwards_skipped=int(plain["num_forwards_skipped"]),

@@ -43,9 +43,9 @@ other tensors are used from the slot as they arrived. Device memory for streamed
 (a Wan block of width 1024: 16 MB for its largest fp32 layer, 4096 x 1024, against 64 MB
 for the block), so the cast shrinks the slots without a block-sized buffer coming back beside
 them; on the CPU, where the device is host memory, that is what lets bf16 and fp8 shrink a
-group's host memory by their ratio. The upcast
-is one element-wise pass over the block, memory-bound, next to a forward whose matmuls read the
-same weights once per token tile; split by layer, it is the same bytes. On the CPU an overlap
+group's host memory by their ratio. The upcast is one element-wise pass over the block,
+memory-bound, next to a forward whose matmuls read the same weights once per token tile; split
+by layer, it is the same bytes. On the CPU an overlap
 would not help anyway (the transfer thread runs on the cores the forward needs); medians on one
 thread: a 4096 x 4096 fp32 weight upcasts from bf16 in 34 ms (a plain fp32 copy of it: 37 ms)
 and from fp8 with its scales in 290 ms, against 1.9 s for one matmul of 2,048 tokens with it.

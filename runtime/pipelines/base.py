@@ -276,8 +276,7 @@ class VideoPipeline(abc.ABC):
             deciding = job is not None and not self.gathers_weights
         self._begin_step(targets, deciding)
         counts = self._counts()
-        # The cache's forwards are replaced, never changed in place: a plain copy keeps them.
-        cache_before = job.to_plain() if job is not None else None
+        cache_before = job.copy() if job is not None else None
         try:
             if job is not None and not deciding:
                 raise ValueError("a job that caches steps on ranks that gather weights needs "
@@ -293,7 +292,7 @@ class VideoPipeline(abc.ABC):
                 self._denoise(state)
         except BaseException:
             if cache_before is not None:
-                state.extra[STEP_CACHE] = JobCache.from_plain(cache_before)
+                state.extra[STEP_CACHE] = cache_before
             raise
         finally:
             # The gathers this job did not need (no CFG, the expert another rank needs), or that
