@@ -78,6 +78,16 @@ HANDED_BACK = "handed back: the worker group stopped"
 LEASE_LOST = "the lease of this attempt was lost"
 # Jobs a replica may hold at once: the one it runs and one it suspended for an interactive job.
 MAX_JOBS_PER_REPLICA = 2
+# In lock-step, a batch step that gathers weights is left part-way for an interactive job
+# (`StepPlan.leavable`, `Coordinator.leave_step`) only while more than this is left of it: the
+# step's compute so far is lost, and a step this close to its end costs the job less to finish.
+LEAVE_MIN_SECONDS = 0.1
+# What a batch job may lose to steps left part-way, as a share of its whole render's compute
+# (its steps x its seconds per step): past it, its steps are no longer left.
+LEAVE_BUDGET = 0.1
+# The longest rank 0 goes between two looks at the queue in a leavable step (each is one
+# round trip to Redis; the look is made only at a block boundary).
+LEAVE_LOOK_SECONDS = 0.005
 # At their own pace, how long the coordinator waits for a held replica to say it waits at its
 # step boundary before it may hold one again (the replica's own hold lapses sooner).
 HOLD_RETRY_SECONDS = 1.0
@@ -101,6 +111,7 @@ class Holding:
     waiting_since: float | None = None  # by the clock, while it does not compute
     suspended_by: str | None = None  # the job it is suspended for (its replica runs that one)
     resume_noted: bool = False
+    lost_seconds: float = 0.0  # its compute lost to steps left part-way (`leave_step`)
 
     def held_job(self, now: float) -> HeldJob:
         waited = 0.0 if self.waiting_since is None else now - self.waiting_since
@@ -252,6 +263,12 @@ class Coordinator:
         self._claims_resume_at = 0.0  # by the clock
         self._last_report = -float("inf")
         self._last_work = clock()
+        # The leavable step under way (lock-step): when it began, the jobs it computes, its
+        # expected length (None: not known yet), and when the queue was last looked at.
+        self._step_began = 0.0
+        self._step_jobs: list[Holding] = []
+        self._step_seconds: float | None = None
+        self._looked = -float("inf")
         self.leases = LeaseKeeper(self, lease_seconds)
 
     def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
@@ -327,6 +344,7 @@ class Coordinator:
                 self._last_work = self.clock()
                 self._choose_turn(plan)
                 plan.step = True
+                plan.leavable = self._leavable(plan)
                 return plan
             if self.writing:  # a turn without a step, in which the ranks finish their writes
                 self._last_work = self.clock()
@@ -339,6 +357,62 @@ class Coordinator:
             if plan.drop or plan.abandon or self.clock() >= deadline:
                 return plan
             self.io.wait_for_work(self.config.poll_seconds)
+
+    def _leavable(self, plan: StepPlan) -> bool:
+        """Whether the group may leave this turn's step part-way (`StepPlan.leavable`): in
+        lock-step, in a group that serves interactive work first, when the step computes only
+        batch jobs that may still lose some of it (``LEAVE_BUDGET``). Notes the step for
+        `leave_step`."""
+        run = set((plan.run or {}).values())
+        jobs = [h for job_id, h in self.held.items() if job_id in run]
+        leavable = (not self.own_pace and GOAL_PREFERS[self.goal] == INTERACTIVE and bool(jobs)
+                    and all(h.job_class != INTERACTIVE and h.lost_seconds < self._budget(h)
+                            for h in jobs))
+        self._step_jobs = jobs if leavable else []
+        self._step_began = self.clock()
+        known = [h.measured for h in jobs if h.measured]
+        self._step_seconds = max(known) if known and len(known) == len(jobs) else None
+        return leavable
+
+    @staticmethod
+    def _budget(h: Holding) -> float:
+        """The compute ``h`` may lose to steps left part-way, all told (``LEAVE_BUDGET``)."""
+        per_step = h.measured or h.seconds_per_step
+        return LEAVE_BUDGET * h.ticket.request.num_inference_steps * per_step
+
+    def leave_step(self) -> bool:
+        """Asked between two blocks of a leavable step: leave it when an interactive job is due
+        and a replica can be given it at the next plan (a free one, or one whose batch job it
+        would suspend), unless the step is nearly done (``LEAVE_MIN_SECONDS``) or a job it
+        computes would lose more than its budget. What the step computed so far is lost to its
+        jobs (counted against their budgets); their steps are taken again, bit for bit."""
+        now = self.clock()
+        if not self._step_jobs or now - self._looked < LEAVE_LOOK_SECONDS:
+            return False
+        self._looked = now
+        elapsed = now - self._step_began
+        if self._step_seconds is not None and self._step_seconds - elapsed < LEAVE_MIN_SECONDS:
+            return False
+        if any(h.lost_seconds + elapsed > self._budget(h) for h in self._step_jobs):
+            return False
+        if self.stopping or self.store_error is not None or now < self._claims_resume_at:
+            return False
+        held = {h.replica for h in self.held.values()}
+        free = [r for r in self.layout.leaders if r not in held and r not in self.full_ranks]
+        if not free and self._preempt_target() is None:
+            return False
+        try:
+            due = self.io.interactive_due()
+        except Exception:  # noqa: BLE001 - the next plan's claim reports the outage
+            return False
+        if due:
+            for h in self._step_jobs:
+                h.lost_seconds += elapsed
+                job_log("step_left", job=h.ticket.job_id, attempt=self.attempt_numbers.get(
+                    h.ticket.attempt_token), replica=h.replica, step=h.steps_done,
+                    lost_s=round(elapsed, 3))
+            self._step_jobs = []
+        return due
 
     def tickets(self) -> list[Ticket]:
         """The tickets of every job the replicas hold, running or suspended."""

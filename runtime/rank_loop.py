@@ -70,6 +70,7 @@ from common import logs, retry
 from common.procs import cgroup_memory_bytes
 from runtime import resume
 from runtime.adapter_cache import AdapterCache, AdapterRef
+from runtime.dlo import ForwardLeft
 from runtime.mailbox import Mailbox, open_mailbox
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
 from runtime.render import frames_to_uint8, memory_figures, soundtrack
@@ -151,6 +152,10 @@ class StepPlan:
     # again: a job about to be claimed for them (an interactive one that preempts their batch
     # job) then starts at once rather than after the step it arrived in.
     hold: list[int] = field(default_factory=list)
+    # In lock-step, a step of weight-gathering replicas that the group may leave between two
+    # blocks, whenever rank 0's driver says so (`GroupDriver.leave_step`): an interactive job
+    # that preempts the batch work of this turn then waits for a block, not for the step.
+    leavable: bool = False
 
 
 # What the ranks tell rank 0 after each turn, gathered there and handed to the driver: one
@@ -296,6 +301,10 @@ class GroupDriver(Protocol):
 
     def record(self, messages: list[RankMessage]) -> None:
         """What every rank reported for the turn."""
+
+    def leave_step(self) -> bool:
+        """Asked on rank 0 between two blocks of a `StepPlan.leavable` step: whether the group
+        leaves the step there (the next plan has a job for a replica of this turn)."""
 
     def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
         """The loop is over: normally (hand back what is still running), or ``failed`` (an
@@ -489,12 +498,12 @@ class RankLoop:
         job = self.current
         self.interrupted = False
         if job is None:
-            self.pipe.idle_step(active)
+            self.pipe.idle_step(active)  # returns where the group left the step, if it did
             return None
         started = time.perf_counter()
         try:
             self.pipe.step(job.state, active)
-        except StepInterrupted:
+        except (StepInterrupted, ForwardLeft):
             # The time spent is lost, not the job's: its cost model learns from whole steps.
             job.interrupted_steps += 1
             self.interrupted = True
@@ -938,23 +947,36 @@ def _lockstep_turns(rank: int, world: int, loop: RankLoop, driver: GroupDriver |
             dist.barrier(group=control)
             return
         messages: list[RankMessage] = list(loop.apply(plan))
+        loop.interrupted = False
         if plan.step:
             # Every rank, in step: which transformers some rank's job runs this step (a
             # rank that sits the turn out needs none).
             active = agree_handles(loop.pipe, loop.state, group=control)
-            ended = loop.step(active)
+            if plan.leavable:
+                leave = driver.leave_step if driver is not None else _never
+                loop.pipe.leave_steps_when(leave)
+            try:
+                ended = loop.step(active)
+            finally:
+                if plan.leavable:
+                    loop.pipe.leave_steps_when(None)
             if ended is not None:
                 messages.append(ended)
         # Files stored meanwhile; a turn without a step waits a little for them.
         messages.extend(loop.written(wait=0.0 if plan.step else WRITE_WAIT_SECONDS))
         if loop.leads:
-            messages.extend(loop.progress())
+            # A step the group left computed nothing kept.
+            messages.extend(loop.progress(not loop.interrupted))
         messages.append(loop.report())
         gathered: list[Any] = [None] * world if rank == 0 else []
         dist.gather_object(messages, gathered if rank == 0 else None, dst=0, group=control)
         loop.reported()
         if driver is not None:
             driver.record([st for per_rank in gathered for st in per_rank])
+
+
+def _never() -> bool:
+    return False
 
 
 def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_event: Any,

@@ -1,5 +1,5 @@
 """Distributed layerwise offload: see :mod:`runtime.dlo.engine`."""
 
-from runtime.dlo.engine import DLOHandle, apply_dlo, find_block_lists
+from runtime.dlo.engine import DLOHandle, ForwardLeft, apply_dlo, find_block_lists
 
-__all__ = ["DLOHandle", "apply_dlo", "find_block_lists"]
+__all__ = ["DLOHandle", "ForwardLeft", "apply_dlo", "find_block_lists"]

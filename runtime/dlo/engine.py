@@ -62,7 +62,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from typing import cast as typed
@@ -95,6 +95,12 @@ CheckpointSpec = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 # A ModuleList holding at least this share of the parameters counts as a block list when the
 # caller does not name them; together the chosen lists must hold more than half.
 _MIN_LIST_SHARE = 0.10
+
+
+class ForwardLeft(Exception):
+    """The weight group agreed to leave the forward before one of its blocks (`DLOHandle.
+    leave_when`): every rank of the group raised it before the same block, so no gather of the
+    rest of the forward is owed to any of them."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -325,6 +331,12 @@ class DLOHandle:
         self._hold_index: int | None = None
         self._held_slot: int | None = None
         self._passed: set[int] = set()
+        # `leave_when`: asked before each block after a forward's first, agreed on by the group.
+        self._leave_check: Callable[[], bool] | None = None
+        # The group's answer to the check this rank made as it acquired the block before (an
+        # all-reduce queued behind that block's prefetch), read as the next block is acquired.
+        self._leave_vote: cf.Future[bool] | None = None
+        self._left = False  # the group left the current forward: nothing is owed to catch up
         self._hooks: list[RemovableHandle] = []
         for lay, mod in zip(layouts[resident_blocks:], block_modules[resident_blocks:],
                             strict=True):
@@ -512,6 +524,13 @@ class DLOHandle:
         if self._bound is not None:  # a previous forward raised inside a block
             self._unbind(self._layouts[self._bound[0]])
             self._bound = None
+        vote, self._leave_vote = self._leave_vote, None
+        if index == self._num_resident:
+            self._left = False  # a new forward (a vote its last blocks left unread is moot)
+        elif vote is not None and vote.result():
+            # Every rank reads the same answer before the same block: they all leave here.
+            self._left = True
+            raise ForwardLeft(f"the group left the forward before block {index}")
         if index not in self._inflight:
             # The blocks ran out of the declared order. Every rank runs the same code, so every
             # rank takes this branch too and the gathers stay in step.
@@ -540,6 +559,10 @@ class DLOHandle:
             self._hold_index, self._held_slot = None, slot
         else:
             self._prefetch(self._next(index), slot=1 - slot)
+            if self._leave_check is not None and index + 1 < len(self._layouts):
+                # Agreed on behind the prefetch, while this block computes: the ranks wait for
+                # each other no more than the gather makes them.
+                self._leave_vote = self._vote(self._leave_check())
         return slot
 
     def _add_timing(self, kind: str, start: Any, end: Any) -> None:
@@ -675,13 +698,38 @@ class DLOHandle:
         self._hold_index = index if index is not None and index >= self._num_resident else None
         self._held_slot = None
 
+    def leave_when(self, check: Callable[[], bool] | None) -> None:
+        """Until called again with None, the group may leave a forward between two of its
+        blocks: as each streamed block but a forward's last is acquired, every rank of the
+        weight group calls ``check``, and the group agrees on the answers (an all-reduce queued
+        behind the next block's prefetch, as `agree_any`); if any rank's was true, every rank
+        raises `ForwardLeft` as it comes to acquire that next block. The block gathered for it
+        then is wasted, and the next forward's first block is fetched without overlap
+        (``_acquire``'s out-of-order path); `idle_until` owes nothing for the forward left.
+        Every rank of the group sets and clears it for the same forwards, and a forward it
+        leaves must not run on (the caller takes its step again)."""
+        self._leave_check = check
+        if check is None:
+            self._left = False
+
+    @property
+    def left(self) -> bool:
+        """Whether the group left the forward under way or last run (`leave_when`)."""
+        return self._left
+
     def agree_any(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank of the weight group: one all-reduce (MAX) of one
         int, on the transfer thread, so that it takes its place after the gathers already
         issued, in the same order on every rank. This rank's own flag where the blocks are not
         gathered across ranks (each rank streams and decides alone)."""
+        return self._vote(flag).result()
+
+    def _vote(self, flag: bool) -> cf.Future[bool]:
+        """`agree_any`'s answer, to come: the all-reduce queued on the transfer thread."""
         if not self.gathers:
-            return flag
+            done: cf.Future[bool] = cf.Future()
+            done.set_result(flag)
+            return done
 
         def reduce() -> bool:
             device = (torch.device("cpu") if str(dist.get_backend(self._group)) == "gloo"
@@ -691,7 +739,7 @@ class DLOHandle:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
                 return bool(flags.item())
 
-        return self._executor.submit(reduce).result()
+        return self._executor.submit(reduce)
 
     def end_forward(self, after: int, run_rest: bool) -> None:
         """The group's decision for the forward `hold_after` started, taken after block
@@ -741,8 +789,10 @@ class DLOHandle:
         After a forward raised part-way, this issues the gathers it did not, so the other ranks'
         forwards still find a partner for every block.
         """
-        if not self._streamed:
-            return  # every block is resident: nothing is acquired, nothing to gather
+        if not self._streamed or self._left:
+            # Every block is resident: nothing is acquired, nothing to gather. Or every rank
+            # left the forward at the same block (`leave_when`): none waits for a partner.
+            return
         while self._num_acquired < num_acquired:
             if len(self._inflight) != 1:
                 # Exactly one prefetch is in flight between blocks, unless a gather failed

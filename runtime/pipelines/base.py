@@ -69,7 +69,7 @@ import torch.distributed as dist
 from common.families import TINY
 from common.render import RenderFields
 from runtime.adapters import Adapter, use_adapters
-from runtime.dlo import DLOHandle
+from runtime.dlo import DLOHandle, ForwardLeft
 from runtime.pipelines import resumable
 from runtime.platform import default_device
 from runtime.step_cache import JobCache, StepCache, job_cache
@@ -277,6 +277,7 @@ class VideoPipeline(abc.ABC):
         self._begin_step(targets, deciding)
         counts = self._counts()
         cache_before = job.copy() if job is not None else None
+        left = False
         try:
             if job is not None and not deciding:
                 raise ValueError("a job that caches steps on ranks that gather weights needs "
@@ -290,15 +291,18 @@ class VideoPipeline(abc.ABC):
                                  f"does not run this step (active={on})")
             with use_adapters(self, state.request.adapters):
                 self._denoise(state)
-        except BaseException:
+        except BaseException as exc:
+            left = isinstance(exc, ForwardLeft)
             if cache_before is not None:
                 state.extra[STEP_CACHE] = cache_before
             raise
         finally:
             # The gathers this job did not need (no CFG, the expert another rank needs), or that
             # a forward which raised part-way never issued: every other rank is waiting for them.
+            # None after the group left the step together (`leave_steps_when`).
             try:
-                self._complete_handles_before(len(self.handles))
+                if not left:
+                    self._complete_handles_before(len(self.handles))
             finally:
                 self._end_step()
                 self._count_step(counts)
@@ -382,20 +386,34 @@ class VideoPipeline(abc.ABC):
         each forward's first block only, where the group agreed to skip the rest."""
         deciding = bool(getattr(active, "step_cache", False))
         counts = self._counts()
-        for handle, cache, on in zip(self.handles, self.step_caches, self._active(active),
-                                     strict=True):
-            if handle is None or not on:
-                continue
-            if cache is None:
-                for _ in range(self.forwards_per_step):
-                    handle.idle_forward()
-                continue
-            cache.begin_step(deciding)
-            try:
-                cache.complete(self.forwards_per_step)
-            finally:
-                cache.end_step()
-        self._count_step(counts)
+        try:
+            for handle, cache, on in zip(self.handles, self.step_caches, self._active(active),
+                                         strict=True):
+                if handle is None or not on:
+                    continue
+                if cache is None:
+                    for _ in range(self.forwards_per_step):
+                        handle.idle_forward()
+                    continue
+                cache.begin_step(deciding)
+                try:
+                    cache.complete(self.forwards_per_step)
+                finally:
+                    cache.end_step()
+        except ForwardLeft:
+            pass  # the group left the step here: no rank gathers the rest of it
+        finally:
+            self._count_step(counts)
+
+    def leave_steps_when(self, check: Callable[[], bool] | None) -> None:
+        """Until called again with None, the group may leave a step between two blocks of a
+        streamed transformer, whenever ``check`` is true on some rank (`DLOHandle.leave_when`):
+        every rank then leaves it at the same block, `step` raises `ForwardLeft` with the job's
+        state as before the step (its latents and step cache), and `idle_step` returns. Every
+        rank of the group calls it for the same steps."""
+        for handle in self.handles:
+            if handle is not None and handle.gathers:
+                handle.leave_when(check)
 
     def generate(self, request: VideoRequest,
                  on_step: Callable[[int, int], None] | None = None) -> torch.Tensor:

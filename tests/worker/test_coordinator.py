@@ -489,3 +489,63 @@ def test_statuses_of_another_attempt_do_not_move_the_held_one() -> None:
     g.c.record([Progress(rank=0, job_id="a", attempt_token="an-old-one", step=29,
                          num_inference_steps=30)])
     assert g.c.held["a"].steps_left == 30
+
+
+def test_in_lock_step_a_batch_step_is_left_part_way_for_a_due_interactive_job() -> None:
+    """Only a turn of batch work is leavable; rank 0 says leave once an interactive job is due
+    (a replica can be given it), not when the step is nearly done, and the jobs' lost compute
+    counts against their budgets (a tenth of a render's)."""
+    g = Group(dp=2)
+    g.io.submit("long", steps=100)
+    g.io.submit("short", steps=40)
+    g.step_seconds.update(long=2.0, short=2.0)
+    assert g.turn().leavable
+    plan = g.plan()  # a step of both, their step times measured now
+    assert plan.leavable and not g.c.leave_step()  # nothing due
+    g.io.submit("i", INTERACTIVE, steps=4, tokens=20)
+    g.clock.now += 0.5
+    assert g.c.leave_step()
+    assert {h.ticket.job_id: h.lost_seconds for h in g.c.held.values()} == {"long": 0.5,
+                                                                          "short": 0.5}
+    assert not g.c.leave_step()  # said once per step
+    # The step left, nothing of it kept: the next plan gives the interactive job a replica,
+    # and its turns are not leavable.
+    g.c.record([g.progress(j, step=g.steps[j], computed=False) for j in ("long", "short")])
+    plan = g.turn()
+    assert {r: t.job_id for r, t in plan.assign.items()} == {0: "i"}
+    assert plan.run == {0: "i"} and not plan.leavable
+
+
+def test_a_batch_step_nearly_done_is_not_left() -> None:
+    g = Group(dp=1)
+    g.io.submit("a", steps=10)
+    g.turn()  # its 1 s steps are measured now
+    assert g.plan().leavable
+    g.io.submit("i", INTERACTIVE, steps=4)
+    g.clock.now += 0.95  # 0.05 s of the step is left: it finishes
+    assert not g.c.leave_step()
+
+
+def test_a_batch_job_out_of_budget_for_left_steps_finishes_its_steps() -> None:
+    g = Group(dp=1)
+    g.io.submit("a", steps=10)
+    g.turn()
+    g.c.held["a"].lost_seconds = 0.95  # of 10 steps x 1 s x 0.1
+    assert g.plan().leavable
+    g.io.submit("i", INTERACTIVE, steps=4)
+    g.clock.now += 0.2
+    assert not g.c.leave_step()  # 0.2 s more would pass its budget
+
+
+@pytest.mark.parametrize("how", ["own pace", "throughput group", "outage"])
+def test_no_step_is_left_at_their_own_pace_in_a_throughput_group_or_in_an_outage(how) -> None:
+    g = Group(dp=1, goal="throughput" if how == "throughput group" else "latency")
+    g.c.own_pace = how == "own pace"
+    g.io.submit("a", steps=50)
+    g.turn()
+    plan = g.plan()
+    g.io.submit("i", INTERACTIVE, steps=4)
+    g.clock.now += 0.5
+    assert plan.leavable == (how == "outage")
+    g.io.down = how == "outage"
+    assert not g.c.leave_step()
