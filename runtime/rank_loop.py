@@ -954,7 +954,8 @@ def _lockstep_turns(rank: int, world: int, loop: RankLoop, driver: GroupDriver |
             active = agree_handles(loop.pipe, loop.state, group=control)
             if plan.leavable:
                 leave = driver.leave_step if driver is not None else _never
-                loop.pipe.leave_steps_when(leave)
+                # Inside a block too, where a replica runs no collective within it.
+                loop.pipe.leave_steps_when(leave, within_blocks=leaves_steps_part_way(loop.layout))
             try:
                 ended = loop.step(active)
             finally:

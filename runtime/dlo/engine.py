@@ -336,6 +336,8 @@ class DLOHandle:
         # The group's answer to the check this rank made as it acquired the block before (an
         # all-reduce queued behind that block's prefetch), read as the next block is acquired.
         self._leave_vote: cf.Future[bool] | None = None
+        self._leave_within = False  # a computing rank leaves inside a block once the vote is in
+        self._within_hooks = False  # the pre-hooks that let it are registered
         self._left = False  # the group left the current forward: nothing is owed to catch up
         self._hooks: list[RemovableHandle] = []
         for lay, mod in zip(layouts[resident_blocks:], block_modules[resident_blocks:],
@@ -523,6 +525,7 @@ class DLOHandle:
             raise RuntimeError("this DLO handle is closed")
         if self._bound is not None:  # a previous forward raised inside a block
             self._unbind(self._layouts[self._bound[0]])
+            self._release(*self._bound)  # after what its forward had queued on the device
             self._bound = None
         vote, self._leave_vote = self._leave_vote, None
         if index == self._num_resident:
@@ -698,7 +701,8 @@ class DLOHandle:
         self._hold_index = index if index is not None and index >= self._num_resident else None
         self._held_slot = None
 
-    def leave_when(self, check: Callable[[], bool] | None) -> None:
+    def leave_when(self, check: Callable[[], bool] | None, *,
+                   within_blocks: bool = False) -> None:
         """Until called again with None, the group may leave a forward between two of its
         blocks: as each streamed block but a forward's last is acquired, every rank of the
         weight group calls ``check``, and the group agrees on the answers (an all-reduce queued
@@ -707,10 +711,34 @@ class DLOHandle:
         then is wasted, and the next forward's first block is fetched without overlap
         (``_acquire``'s out-of-order path); `idle_until` owes nothing for the forward left.
         Every rank of the group sets and clears it for the same forwards, and a forward it
-        leaves must not run on (the caller takes its step again)."""
+        leaves must not run on (the caller takes its step again).
+
+        ``within_blocks``: a rank computing a block leaves it as soon as the answer is in, at
+        the next module inside it, rather than at the next block: the answer comes with the
+        next block's gather, early in this one, so the forward is left in about the time from
+        the check to the block's end, not one block more. Only where nothing inside a block is
+        a collective (no sequence parallelism): a rank leaving it early must not leave a peer
+        waiting in one."""
         self._leave_check = check
+        self._leave_within = within_blocks and check is not None
         if check is None:
             self._left = False
+        if self._leave_within and not self._within_hooks:
+            self._within_hooks = True
+            for mod in self.block_modules[self._num_resident:]:
+                self._hooks.extend(sub.register_forward_pre_hook(self._leave_inside)
+                                   for sub in mod.modules() if sub is not mod)
+
+    def _leave_inside(self, module: nn.Module, args: Any) -> None:
+        """Before each module inside a streamed block, with ``within_blocks``: the group's
+        answer to the check made as this block was acquired, once it is in."""
+        vote = self._leave_vote
+        if not self._leave_within or vote is None or not vote.done():
+            return
+        self._leave_vote = None
+        if vote.result():
+            self._left = True
+            raise ForwardLeft("the group left the forward inside a block")
 
     @property
     def left(self) -> bool:

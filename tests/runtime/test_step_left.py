@@ -31,7 +31,8 @@ TINY = [VideoRequest(prompt="a red ball", num_inference_steps=6, seed=1, guidanc
 
 
 def _lockstep_leaving(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
-                      leave_at: set[int]) -> tuple[np.ndarray, int, list[int]]:
+                      leave_at: set[int],
+                      within_blocks: bool = False) -> tuple[np.ndarray, int, list[int]]:
     """``requests[rank]``'s frames rendered in lock-step with the group leaving steps where
     rank 0's looks ``leave_at`` say; the steps left, and each handle's blocks acquired."""
     looks = 0
@@ -50,7 +51,7 @@ def _lockstep_leaving(pipe: VideoPipeline, rank: int, requests: list[VideoReques
             break
         active = agree_handles(pipe, state)
         step = state.step_index
-        pipe.leave_steps_when(check)
+        pipe.leave_steps_when(check, within_blocks=within_blocks)
         try:
             if not state.done:
                 pipe.step(state, active)
@@ -82,18 +83,22 @@ def _tiny() -> VideoPipeline:
     return TinyPipeline.load(device="cpu")
 
 
-def _tiny_rank(rank: int, world: int, leave_at: set[int]) -> tuple[np.ndarray, int, list[int]]:
+def _tiny_rank(rank: int, world: int, leave_at: set[int],
+               within_blocks: bool) -> tuple[np.ndarray, int, list[int]]:
     pipe = _tiny()
     try:
         assert pipe.gathers_weights
-        return _lockstep_leaving(pipe, rank, TINY, leave_at)
+        return _lockstep_leaving(pipe, rank, TINY, leave_at, within_blocks)
     finally:
         pipe.close()
 
 
-def test_kiln_tiny_steps_left_together_render_the_uninterrupted_frames():
+@pytest.mark.parametrize("within_blocks", [False, True], ids=["at a block", "inside a block"])
+def test_kiln_tiny_steps_left_together_render_the_uninterrupted_frames(within_blocks):
+    """Inside a block, a computing rank leaves at its next module once the answer is in; an
+    idle one, at the next block: both issued the same gathers."""
     # Looks 2 (step 1, early), 9 (a later step) and 16 (after rank 1's job ended: it idles).
-    leaving = run_ranks(2, _tiny_rank, {2, 9, 16})
+    leaving = run_ranks(2, _tiny_rank, {2, 9, 16}, within_blocks)
     (frames0, left0, acquired0), (frames1, left1, acquired1) = leaving
     assert left0 == left1 == 3  # both ranks left the same steps
     assert acquired0 == acquired1  # and issued the same gathers
