@@ -953,9 +953,11 @@ def _lockstep_turns(rank: int, world: int, loop: RankLoop, driver: GroupDriver |
             # rank that sits the turn out needs none).
             active = agree_handles(loop.pipe, loop.state, group=control)
             if plan.leavable:
-                leave = driver.leave_step if driver is not None else _never
-                # Inside a block too, where a replica runs no collective within it.
-                loop.pipe.leave_steps_when(leave, within_blocks=leaves_steps_part_way(loop.layout))
+                # Rank 0's driver watches the queue, looked at until late in each block; the
+                # group leaves inside a block too where a replica runs no collective within one.
+                loop.pipe.leave_steps_when(
+                    driver.leave_step if driver is not None else _never,
+                    within_blocks=leaves_steps_part_way(loop.layout), late=driver is not None)
             try:
                 ended = loop.step(active)
             finally:

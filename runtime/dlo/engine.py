@@ -97,6 +97,12 @@ CheckpointSpec = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 _MIN_LIST_SHARE = 0.10
 
 
+# `DLOHandle.leave_when(late=True)`: how far into a block (a share of the last block's time on
+# this rank) the check is still looked at, and how often.
+LEAVE_LATE_SHARE = 0.75
+LEAVE_LOOK_SECONDS = 0.005
+
+
 class ForwardLeft(Exception):
     """The weight group agreed to leave the forward before one of its blocks (`DLOHandle.
     leave_when`): every rank of the group raised it before the same block, so no gather of the
@@ -337,6 +343,10 @@ class DLOHandle:
         # all-reduce queued behind that block's prefetch), read as the next block is acquired.
         self._leave_vote: cf.Future[bool] | None = None
         self._leave_within = False  # a computing rank leaves inside a block once the vote is in
+        self._leave_late = False  # this rank's check is looked at until late in each block
+        self._vote_needed: threading.Event | None = None  # set: the pending vote is wanted now
+        self._acquired_at: float | None = None  # when the last block was acquired (monotonic)
+        self._block_seconds = 0.0  # between the last two acquires of one forward, on this rank
         self._within_hooks = False  # the pre-hooks that let it are registered
         self._left = False  # the group left the current forward: nothing is owed to catch up
         self._hooks: list[RemovableHandle] = []
@@ -527,7 +537,12 @@ class DLOHandle:
             self._unbind(self._layouts[self._bound[0]])
             self._release(*self._bound)  # after what its forward had queued on the device
             self._bound = None
+        now = time.monotonic()
+        if index != self._num_resident and self._acquired_at is not None:
+            self._block_seconds = now - self._acquired_at
+        self._acquired_at = now
         vote, self._leave_vote = self._leave_vote, None
+        self._want_vote()
         if index == self._num_resident:
             self._left = False  # a new forward (a vote its last blocks left unread is moot)
         elif vote is not None and vote.result():
@@ -565,8 +580,38 @@ class DLOHandle:
             if self._leave_check is not None and index + 1 < len(self._layouts):
                 # Agreed on behind the prefetch, while this block computes: the ranks wait for
                 # each other no more than the gather makes them.
-                self._leave_vote = self._vote(self._leave_check())
+                self._leave_vote = self._vote(self._leave_flag(now))
         return slot
+
+    def _leave_flag(self, acquired_at: float) -> Callable[[], bool]:
+        """This rank's part of the vote on leaving before the next block: its check, looked at
+        on the transfer thread once the next block's gather is done. With ``late``, looked at
+        again every ``LEAVE_LOOK_SECONDS`` until ``LEAVE_LATE_SHARE`` of a block's time after
+        this block was acquired (or the vote is wanted before): the group learns of what
+        happened during most of the block, not only before it, and a peer waits for the vote
+        no longer than that."""
+        check = self._leave_check
+        assert check is not None
+        if not self._leave_late or self._block_seconds <= 0:
+            return check
+        needed = self._vote_needed = threading.Event()
+        deadline = acquired_at + LEAVE_LATE_SHARE * self._block_seconds
+
+        def late() -> bool:
+            while not check():
+                left = deadline - time.monotonic()
+                if left <= 0 or needed.is_set():
+                    return False
+                needed.wait(min(left, LEAVE_LOOK_SECONDS))
+            return True
+
+        return late
+
+    def _want_vote(self) -> None:
+        """The pending vote is wanted now: a late look at this rank's check ends."""
+        if self._vote_needed is not None:
+            self._vote_needed.set()
+            self._vote_needed = None
 
     def _add_timing(self, kind: str, start: Any, end: Any) -> None:
         """Keep an accelerator interval to sum later; fold finished ones in as the list grows,
@@ -702,7 +747,7 @@ class DLOHandle:
         self._held_slot = None
 
     def leave_when(self, check: Callable[[], bool] | None, *,
-                   within_blocks: bool = False) -> None:
+                   within_blocks: bool = False, late: bool = False) -> None:
         """Until called again with None, the group may leave a forward between two of its
         blocks: as each streamed block but a forward's last is acquired, every rank of the
         weight group calls ``check``, and the group agrees on the answers (an all-reduce queued
@@ -718,11 +763,18 @@ class DLOHandle:
         next block's gather, early in this one, so the forward is left in about the time from
         the check to the block's end, not one block more. Only where nothing inside a block is
         a collective (no sequence parallelism): a rank leaving it early must not leave a peer
-        waiting in one."""
+        waiting in one.
+
+        ``late``: this rank's check is the one that changes (rank 0's, which watches the queue;
+        the others' are constant): it is looked at until most of the block's time has passed
+        (`_leave_flag`), so the forward is left soon after the check turns true, wherever in
+        the block that happens."""
         self._leave_check = check
         self._leave_within = within_blocks and check is not None
+        self._leave_late = late and check is not None
         if check is None:
             self._left = False
+            self._want_vote()
         if self._leave_within and not self._within_hooks:
             self._within_hooks = True
             for mod in self.block_modules[self._num_resident:]:
@@ -750,20 +802,22 @@ class DLOHandle:
         int, on the transfer thread, so that it takes its place after the gathers already
         issued, in the same order on every rank. This rank's own flag where the blocks are not
         gathered across ranks (each rank streams and decides alone)."""
-        return self._vote(flag).result()
+        return self._vote(lambda: flag).result()
 
-    def _vote(self, flag: bool) -> cf.Future[bool]:
-        """`agree_any`'s answer, to come: the all-reduce queued on the transfer thread."""
+    def _vote(self, flag: Callable[[], bool]) -> cf.Future[bool]:
+        """`agree_any`'s answer, to come: the all-reduce queued on the transfer thread, of
+        ``flag()`` as the thread comes to it."""
         if not self.gathers:
             done: cf.Future[bool] = cf.Future()
-            done.set_result(flag)
+            done.set_result(flag())
             return done
 
         def reduce() -> bool:
             device = (torch.device("cpu") if str(dist.get_backend(self._group)) == "gloo"
                       else self.platform.device)
+            mine = flag()
             with self.platform.use_stream(self._side_stream):
-                flags = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+                flags = torch.tensor([int(mine)], dtype=torch.int32, device=device)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
                 return bool(flags.item())
 
@@ -909,6 +963,7 @@ class DLOHandle:
         """Release the slots, the host slab, the hooks and the weight group."""
         if self._closed:
             return
+        self._want_vote()
         for _, fut in self._inflight.values():
             fut.result()
         self._inflight.clear()

@@ -406,16 +406,17 @@ class VideoPipeline(abc.ABC):
             self._count_step(counts)
 
     def leave_steps_when(self, check: Callable[[], bool] | None, *,
-                         within_blocks: bool = False) -> None:
+                         within_blocks: bool = False, late: bool = False) -> None:
         """Until called again with None, the group may leave a step between two blocks of a
         streamed transformer, whenever ``check`` is true on some rank (`DLOHandle.leave_when`):
         every rank then leaves it at the same block, `step` raises `ForwardLeft` with the job's
         state as before the step (its latents and step cache), and `idle_step` returns. Every
         rank of the group calls it for the same steps. ``within_blocks``: a computing rank may
-        leave in the middle of a block (`DLOHandle.leave_when`)."""
+        leave in the middle of a block; ``late``: this rank's check is the one that changes, and
+        is looked at until late in each block (`DLOHandle.leave_when`)."""
         for handle in self.handles:
             if handle is not None and handle.gathers:
-                handle.leave_when(check, within_blocks=within_blocks)
+                handle.leave_when(check, within_blocks=within_blocks, late=late)
 
     def generate(self, request: VideoRequest,
                  on_step: Callable[[int, int], None] | None = None) -> torch.Tensor:

@@ -32,7 +32,8 @@ TINY = [VideoRequest(prompt="a red ball", num_inference_steps=6, seed=1, guidanc
 
 def _lockstep_leaving(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
                       leave_at: set[int],
-                      within_blocks: bool = False) -> tuple[np.ndarray, int, list[int]]:
+                      within_blocks: bool = False,
+                      late: bool = False) -> tuple[np.ndarray, int, list[int]]:
     """``requests[rank]``'s frames rendered in lock-step with the group leaving steps where
     rank 0's looks ``leave_at`` say; the steps left, and each handle's blocks acquired."""
     looks = 0
@@ -51,7 +52,7 @@ def _lockstep_leaving(pipe: VideoPipeline, rank: int, requests: list[VideoReques
             break
         active = agree_handles(pipe, state)
         step = state.step_index
-        pipe.leave_steps_when(check, within_blocks=within_blocks)
+        pipe.leave_steps_when(check, within_blocks=within_blocks, late=late and rank == 0)
         try:
             if not state.done:
                 pipe.step(state, active)
@@ -83,12 +84,12 @@ def _tiny() -> VideoPipeline:
     return TinyPipeline.load(device="cpu")
 
 
-def _tiny_rank(rank: int, world: int, leave_at: set[int],
-               within_blocks: bool) -> tuple[np.ndarray, int, list[int]]:
+def _tiny_rank(rank: int, world: int, leave_at: set[int], within_blocks: bool,
+               late: bool = False) -> tuple[np.ndarray, int, list[int]]:
     pipe = _tiny()
     try:
         assert pipe.gathers_weights
-        return _lockstep_leaving(pipe, rank, TINY, leave_at, within_blocks)
+        return _lockstep_leaving(pipe, rank, TINY, leave_at, within_blocks, late)
     finally:
         pipe.close()
 
@@ -104,6 +105,16 @@ def test_kiln_tiny_steps_left_together_render_the_uninterrupted_frames(within_bl
     assert acquired0 == acquired1  # and issued the same gathers
     # 6 steps of 4 blocks (CFG in one forward) whole, and 3 left before their last block.
     assert acquired0[0] < (6 + 3) * 4
+    np.testing.assert_array_equal(frames0, _alone(_tiny, TINY[0]))
+    np.testing.assert_array_equal(frames1, _alone(_tiny, TINY[1]))
+
+
+def test_rank_0s_check_looked_at_late_in_each_block_leaves_the_same_steps_everywhere():
+    """Rank 0's check is looked at again and again while each block computes (how often
+    depends on the block's time): whichever steps it leaves, every rank leaves them too."""
+    (frames0, left0, acquired0), (frames1, left1, acquired1) = run_ranks(
+        2, _tiny_rank, {2, 40, 80}, True, True)
+    assert left0 == left1 >= 1 and acquired0 == acquired1
     np.testing.assert_array_equal(frames0, _alone(_tiny, TINY[0]))
     np.testing.assert_array_equal(frames1, _alone(_tiny, TINY[1]))
 
