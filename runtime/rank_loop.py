@@ -23,7 +23,10 @@ In lock-step:
    its own writer thread (MP4, thumbnail, output store: the ``write`` function it is given),
    and is free for a new job at the next step boundary: the encoding (longer than the decode)
    does not hold up the other ranks, which wait for this one at every gather. The job's final
-   status follows when its files are stored.
+   status follows when its files are stored. A step of batch work only may be left part-way,
+   by every rank at once (`StepPlan.leavable`, `GroupDriver.leave_step`,
+   `VideoPipeline.leave_steps_when`): an interactive job that preempts it then waits for part
+   of a block, not for the rest of the step, and the jobs take the step again from its start.
 4. Rank 0 gathers every rank's messages (`Progress`, `Rendered`, `Ended`, `RankReport`) and hands
    them to the driver.
 

@@ -543,12 +543,12 @@ class DLOHandle:
         self._acquired_at = now
         vote, self._leave_vote = self._leave_vote, None
         self._want_vote()
-        if index == self._num_resident:
-            self._left = False  # a new forward (a vote its last blocks left unread is moot)
-        elif vote is not None and vote.result():
+        if vote is not None and vote.result():
             # Every rank reads the same answer before the same block: they all leave here.
             self._left = True
             raise ForwardLeft(f"the group left the forward before block {index}")
+        if index == self._num_resident:
+            self._left = False  # a new forward
         if index not in self._inflight:
             # The blocks ran out of the declared order. Every rank runs the same code, so every
             # rank takes this branch too and the gathers stay in step.
@@ -577,9 +577,10 @@ class DLOHandle:
             self._hold_index, self._held_slot = None, slot
         else:
             self._prefetch(self._next(index), slot=1 - slot)
-            if self._leave_check is not None and index + 1 < len(self._layouts):
+            if self._leave_check is not None:
                 # Agreed on behind the prefetch, while this block computes: the ranks wait for
-                # each other no more than the gather makes them.
+                # each other no more than the gather makes them. After a forward's last block,
+                # read by the next forward of the step, or inside the block only.
                 self._leave_vote = self._vote(self._leave_flag(now))
         return slot
 
@@ -749,10 +750,13 @@ class DLOHandle:
     def leave_when(self, check: Callable[[], bool] | None, *,
                    within_blocks: bool = False, late: bool = False) -> None:
         """Until called again with None, the group may leave a forward between two of its
-        blocks: as each streamed block but a forward's last is acquired, every rank of the
-        weight group calls ``check``, and the group agrees on the answers (an all-reduce queued
-        behind the next block's prefetch, as `agree_any`); if any rank's was true, every rank
-        raises `ForwardLeft` as it comes to acquire that next block. The block gathered for it
+        blocks: as each streamed block is acquired, every rank of the weight group calls
+        ``check``, and the group agrees on the answers (an all-reduce queued behind the next
+        block's prefetch, as `agree_any`); if any rank's was true, every rank raises
+        `ForwardLeft` as it comes to acquire its next block (the next forward's first, after a
+        forward's last; after the step's last, none: with ``within_blocks`` a rank still
+        computing that block leaves it, the others' steps are done, and no gather is owed
+        either way). The block gathered for it
         then is wasted, and the next forward's first block is fetched without overlap
         (``_acquire``'s out-of-order path); `idle_until` owes nothing for the forward left.
         Every rank of the group sets and clears it for the same forwards, and a forward it
@@ -773,7 +777,9 @@ class DLOHandle:
         self._leave_within = within_blocks and check is not None
         self._leave_late = late and check is not None
         if check is None:
+            # The last vote of a step, if unread, is moot: no rank gathers anything after it.
             self._left = False
+            self._leave_vote = None
             self._want_vote()
         if self._leave_within and not self._within_hooks:
             self._within_hooks = True

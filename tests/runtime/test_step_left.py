@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +25,18 @@ from runtime.models.synthetic import SyntheticSpec, make_checkpoint
 from runtime.pipelines.base import VideoPipeline, VideoRequest, agree_handles
 from runtime.pipelines.registry import load_diffusers
 from runtime.pipelines.tiny import TinyPipeline
+from runtime.platform import get_platform
+from runtime.rank_loop import (
+    Ended,
+    RankLoop,
+    RankMessage,
+    RankReport,
+    Rendered,
+    StepPlan,
+    Ticket,
+    run_loop,
+)
+from runtime.render import frames_to_uint8
 
 # Rank 1's job ends after 3 steps: it idles through rank 0's last ones, and leaves them too.
 TINY = [VideoRequest(prompt="a red ball", num_inference_steps=6, seed=1, guidance_scale=5.0),
@@ -150,3 +163,102 @@ def test_a_wan22_step_left_while_a_rank_idles_the_other_expert_renders_the_same(
     load = partial(load_diffusers, str(wan22_dir), device="cpu")
     np.testing.assert_array_equal(frames0, _alone(load, EITHER_SIDE[0]))
     np.testing.assert_array_equal(frames1, _alone(load, EITHER_SIDE[1]))
+
+
+# ---- through the rank loop: a scripted driver leaves a batch turn for an interactive job ------
+
+BATCH_A = VideoRequest(prompt="a red ball", width=64, height=64, num_frames=9,
+                       num_inference_steps=6, seed=1)
+BATCH_B = VideoRequest(prompt="a blue cat", width=64, height=64, num_frames=9,
+                       num_inference_steps=6, seed=2)
+SMALL = VideoRequest(prompt="waves at dusk", width=64, height=64, num_frames=5,
+                     num_inference_steps=2, seed=3)
+
+
+class LeavingDriver:
+    """Rank 0's driver: batch jobs "a" and "b" on the two replicas, in leavable turns; in the
+    third turn it says leave, and the next plan gives "i" to replica 0, "i" alone computing;
+    stops once all three are stored. Keeps every turn's plan and messages."""
+
+    def __init__(self) -> None:
+        self.turns: list[tuple[StepPlan, list[RankMessage]]] = []
+        self.looks = 0
+        self.left_in_turn: int | None = None
+        self.ended: set[str] = set()
+
+    def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
+        pass
+
+    def next_plan(self, stop_requested: bool) -> StepPlan:
+        n = len(self.turns)
+        rendered = {m.job_id for _, ms in self.turns for m in ms if isinstance(m, Rendered)}
+        if self.ended == {"a", "b", "i"}:
+            return StepPlan(stop=True)
+        if n == 0:
+            plan = StepPlan(assign={0: Ticket(job_id="a", attempt_token="ta", request=BATCH_A),
+                                    1: Ticket(job_id="b", attempt_token="tb", request=BATCH_B)},
+                            leavable=True)
+        elif self.left_in_turn == n - 1:
+            plan = StepPlan(assign={0: Ticket(job_id="i", attempt_token="ti", request=SMALL)},
+                            run={0: "i"})
+        elif self.left_in_turn is not None and "i" not in rendered:
+            plan = StepPlan(run={0: "i"})
+        else:
+            plan = StepPlan(run={r: j for r, j in ((0, "a"), (1, "b")) if j not in rendered},
+                            leavable=True)
+        plan.step = not {"a", "b", "i"} <= rendered
+        self.turns.append((plan, []))
+        return plan
+
+    def leave_step(self) -> bool:
+        self.looks += 1
+        if len(self.turns) == 3 and self.left_in_turn is None:
+            self.left_in_turn = 2
+            return True
+        return False
+
+    def record(self, messages: list[RankMessage]) -> None:
+        self.turns[-1][1].extend(messages)
+        self.ended |= {m.job_id for m in messages
+                       if isinstance(m, Ended) and m.outcome == "succeeded"}
+
+    def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
+        pass
+
+
+def _loop_rank(rank: int, world: int) -> tuple[dict[str, np.ndarray], list[Any] | None]:
+    platform = get_platform("cpu")
+    pipe = _tiny()
+    frames: dict[str, np.ndarray] = {}
+
+    def write(rgb: Any, job_id: str, fps: int, *audio: Any) -> tuple[str, str]:
+        frames[job_id] = np.asarray(rgb)
+        return f"{job_id}.mp4", f"{job_id}.png"
+
+    loop = RankLoop(rank, pipe, write, platform)
+    driver = LeavingDriver() if rank == 0 else None
+    run_loop(rank, world, loop, driver)
+    if driver is None:
+        return frames, None
+    return frames, [(plan.leavable, [(type(m).__name__, m.job_id, getattr(m, "step", None),
+                                      getattr(m, "computed", None))
+                                     for m in ms if not isinstance(m, RankReport)])
+                    for plan, ms in driver.turns]
+
+
+def test_a_leavable_batch_turn_is_left_for_an_interactive_job_and_every_video_is_unchanged():
+    (frames0, turns), (frames1, _) = run_ranks(2, _loop_rank, timeout=180)
+    # The third turn was left: its jobs report the step they had before it, not computed.
+    leavable, left = turns[2]
+    assert leavable and sorted(left) == [("Progress", "a", 2, False), ("Progress", "b", 2, False)]
+    # The next turn gives "i" to replica 0; "a" and "b" wait until it rendered.
+    assert ("Progress", "i", 1, True) in turns[3][1]
+    assert ("Progress", "a", 2, False) in turns[3][1]
+    expected = {"a": BATCH_A, "i": SMALL}
+    for job_id, request in expected.items():
+        np.testing.assert_array_equal(frames0[job_id], _uint8(request))
+    np.testing.assert_array_equal(frames1["b"], _uint8(BATCH_B))
+
+
+def _uint8(request: VideoRequest) -> np.ndarray:
+    return frames_to_uint8(torch.from_numpy(_alone(_tiny, request))).numpy()
