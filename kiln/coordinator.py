@@ -83,8 +83,10 @@ MAX_JOBS_PER_REPLICA = 2
 # step's compute so far is lost, and a step this close to its end costs the job less to finish.
 LEAVE_MIN_SECONDS = 0.1
 # What a batch job may lose to steps left part-way, as a share of its whole render's compute
-# (its steps x its seconds per step): past it, its steps are no longer left.
-LEAVE_BUDGET = 0.1
+# (its steps x its seconds per step): past it, its steps are no longer left. Half the tenth a
+# batch makespan may grow by beside interactive work, the rest being the interactive jobs' own
+# time and the turns around them.
+LEAVE_BUDGET = 0.05
 # The longest rank 0 goes between two looks at the queue in a leavable step (each is one
 # round trip to Redis; the look is made only at a block boundary).
 LEAVE_LOOK_SECONDS = 0.005
@@ -95,6 +97,10 @@ HOLD_RETRY_SECONDS = 1.0
 # not every turn: the turns it waits through are the short turns of the job it waits for. The
 # lease thread keeps its lease meanwhile.
 PAUSED_BEAT_SECONDS = 1.0
+# A computing job has its heartbeat at its first step here, then at most this often: a small
+# job's steps take milliseconds, and a database write for each would be most of what the
+# host does beside them (the lease is tens of seconds; a cancel lands this much later at most).
+BEAT_SECONDS = 0.25
 
 
 @dataclass(kw_only=True, slots=True)
@@ -553,7 +559,7 @@ class Coordinator:
                 if h is not None:
                     self._progress(h, m)
                 waited = self.clock() - self._beats.get(m.job_id, -float("inf"))
-                if m.computed or waited >= PAUSED_BEAT_SECONDS:
+                if waited >= (BEAT_SECONDS if m.computed else PAUSED_BEAT_SECONDS):
                     self._heartbeat(m)
                 continue
             if h is not None:

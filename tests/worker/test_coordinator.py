@@ -337,11 +337,13 @@ def test_replicas_at_their_own_pace_each_run_their_job_and_a_partial_report_forg
 
 
 def test_a_job_sitting_turns_out_has_a_heartbeat_a_second_and_its_cancel_still_lands() -> None:
+    """A computing job has one every 0.25 s (its steps here take 0.1 s), a waiting one one a
+    second."""
     g, _ = small_beside_big(big_steps=50, small_steps=1000)
     g.io.beats.clear()
     for _ in range(20):  # 2 s of the small job's turns, the big one sitting them out
         assert g.turn().run == {1: "small"}
-    assert g.io.beats.count("small") == 20
+    assert 6 <= g.io.beats.count("small") <= 8  # not one a step: one every 0.25 s
     assert 2 <= g.io.beats.count("big") <= 3  # not one a turn: one a second
     g.io.cancelled.add("big")
     for _ in range(11):
@@ -494,7 +496,7 @@ def test_statuses_of_another_attempt_do_not_move_the_held_one() -> None:
 def test_in_lock_step_a_batch_step_is_left_part_way_for_a_due_interactive_job() -> None:
     """Only a turn of batch work is leavable; rank 0 says leave once an interactive job is due
     (a replica can be given it), not when the step is nearly done, and the jobs' lost compute
-    counts against their budgets (a tenth of a render's)."""
+    counts against their budgets (a twentieth of a render's)."""
     g = Group(dp=2)
     g.io.submit("long", steps=100)
     g.io.submit("short", steps=40)
@@ -530,7 +532,7 @@ def test_a_batch_job_out_of_budget_for_left_steps_finishes_its_steps() -> None:
     g = Group(dp=1)
     g.io.submit("a", steps=10)
     g.turn()
-    g.c.held["a"].lost_seconds = 0.95  # of 10 steps x 1 s x 0.1
+    g.c.held["a"].lost_seconds = 0.45  # of 10 steps x 1 s x 0.05
     assert g.plan().leavable
     g.io.submit("i", INTERACTIVE, steps=4)
     g.clock.now += 0.2
