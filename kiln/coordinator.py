@@ -79,8 +79,9 @@ LEASE_LOST = "the lease of this attempt was lost"
 # Jobs a replica may hold at once: the one it runs and one it suspended for an interactive job.
 MAX_JOBS_PER_REPLICA = 2
 # In lock-step, a batch step that gathers weights is left part-way for an interactive job
-# (`StepPlan.leavable`, `Coordinator.leave_step`) only while more than this is left of it: the
-# step's compute so far is lost, and a step this close to its end costs the job less to finish.
+# (`StepPlan.leavable`, `Coordinator.leave_step`) only while more of it is left than it has
+# run, and more than this: the step's compute so far is lost, so a step is never left at a
+# cost above the wait it saves the interactive job.
 LEAVE_MIN_SECONDS = 0.1
 # What a batch job may lose to steps left part-way, as a share of its whole render's compute
 # (its steps x its seconds per step): past it, its steps are no longer left. Half the tenth a
@@ -389,15 +390,17 @@ class Coordinator:
     def leave_step(self) -> bool:
         """Asked between two blocks of a leavable step: leave it when an interactive job is due
         and a replica can be given it at the next plan (a free one, or one whose batch job it
-        would suspend), unless the step is nearly done (``LEAVE_MIN_SECONDS``) or a job it
-        computes would lose more than its budget. What the step computed so far is lost to its
-        jobs (counted against their budgets); their steps are taken again, bit for bit."""
+        would suspend), unless less of the step is left than it has run (or than
+        ``LEAVE_MIN_SECONDS``) or a job it computes would lose more than its budget. What the
+        step computed so far is lost to its jobs (counted against their budgets); their steps
+        are taken again, bit for bit."""
         now = self.clock()
         if not self._step_jobs or now - self._looked < LEAVE_LOOK_SECONDS:
             return False
         self._looked = now
         elapsed = now - self._step_began
-        if self._step_seconds is not None and self._step_seconds - elapsed < LEAVE_MIN_SECONDS:
+        if (self._step_seconds is not None
+                and self._step_seconds - elapsed < max(LEAVE_MIN_SECONDS, elapsed)):
             return False
         if any(h.lost_seconds + elapsed > self._budget(h) for h in self._step_jobs):
             return False
