@@ -98,10 +98,6 @@ HOLD_RETRY_SECONDS = 1.0
 # not every turn: the turns it waits through are the short turns of the job it waits for. The
 # lease thread keeps its lease meanwhile.
 PAUSED_BEAT_SECONDS = 1.0
-# A computing job has its heartbeat at its first step here, then at most this often: a small
-# job's steps take milliseconds, and a database write for each would be most of what the
-# host does beside them (the lease is tens of seconds; a cancel lands this much later at most).
-BEAT_SECONDS = 0.25
 
 
 @dataclass(kw_only=True, slots=True)
@@ -562,7 +558,7 @@ class Coordinator:
                 if h is not None:
                     self._progress(h, m)
                 waited = self.clock() - self._beats.get(m.job_id, -float("inf"))
-                if waited >= (BEAT_SECONDS if m.computed else PAUSED_BEAT_SECONDS):
+                if m.computed or waited >= PAUSED_BEAT_SECONDS:
                     self._heartbeat(m)
                 continue
             if h is not None:

@@ -17,7 +17,6 @@ from standardwebhooks import Webhook, WebhookVerificationError
 from task_helpers import fail, secret_of, submit
 
 from api.schemas import JobCreate
-from kiln import coordinator as coordinator_module
 from kiln import group_io
 from kiln.coordinator import Coordinator
 from kiln.tasks import (
@@ -76,7 +75,6 @@ def run_job(ctx: Context, c: Coordinator, job_id: str, steps: int) -> None:
 def test_a_job_gets_its_events_in_order_each_verified_by_the_library(
         ctx: Context, coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(group_io, "PROGRESS_EVERY_SECONDS", 0.0)
-    monkeypatch.setattr(coordinator_module, "BEAT_SECONDS", 0.0)  # a heartbeat every step
     with Receiver() as receiver:
         with ctx.sessions() as s:
             job_id = submit(s, webhook_url=receiver.url, num_inference_steps=3,
@@ -205,7 +203,6 @@ def test_a_live_event_is_given_up_after_max_attempts_and_leaves_no_row(ctx: Cont
 def test_the_filter_drops_the_events_not_asked_for(
         ctx: Context, coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(group_io, "PROGRESS_EVERY_SECONDS", 0.0)
-    monkeypatch.setattr(coordinator_module, "BEAT_SECONDS", 0.0)  # a heartbeat every step
     with Receiver() as receiver:
         with ctx.sessions() as s:
             wanted = submit(s, webhook_url=receiver.url, webhook_events=["job.succeeded"]).id
