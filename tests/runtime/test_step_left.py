@@ -122,6 +122,7 @@ def test_kiln_tiny_steps_left_together_render_the_uninterrupted_frames(within_bl
     np.testing.assert_array_equal(frames1, _alone(_tiny, TINY[1]))
 
 
+@pytest.mark.chaos  # slow: two more ranks; `make chaos`
 def test_rank_0s_check_looked_at_late_in_each_block_leaves_the_same_steps_everywhere():
     """Rank 0's check is looked at again and again while each block computes (how often
     depends on the block's time): whichever steps it leaves, every rank leaves them too."""
@@ -154,6 +155,7 @@ def _wan_rank(rank: int, world: int, model_dir: str,
         pipe.close()
 
 
+@pytest.mark.chaos  # slow: two more ranks on a Wan2.2 pair; `make chaos`
 def test_a_wan22_step_left_while_a_rank_idles_the_other_expert_renders_the_same(wan22_dir):
     # Looks 1 and 4: in the first step, and in a later one (the synthetic experts have two
     # blocks each: one look per forward of an expert).
