@@ -136,6 +136,35 @@ def packed(plan: Sequence[Upcast], base: int = 0) -> tuple[tuple[Upcast, ...], i
     return tuple(out), offset
 
 
+@dataclass(frozen=True, slots=True)
+class RowChunks:
+    """A Linear's cast weight upcast a few output rows at a time into a region of ``rows`` rows
+    (``upcast.offset``), each chunk's share of the output computed before the next overwrites
+    it (`upcast_rows`): a compute buffer of a chunk, not of the largest layer."""
+
+    upcast: Upcast
+    rows: int
+
+
+def chunk_rows(e: Entry, chunk_bytes: int) -> int:
+    """Rows of weight ``e`` per chunk: the most whole multiple of 64 rows that fits in
+    ``chunk_bytes`` in its compute dtype, and at least 64. Matrix kernels tile output columns
+    in such multiples, so a product split there sums each output exactly as the whole one does
+    (on the CPU: tests/runtime/test_weights_dtype.py)."""
+    rows = chunk_bytes // (e.nbytes // e.shape[0])
+    return max(64, rows - rows % 64)
+
+
+def upcast_rows(u: Upcast, src: torch.Tensor, dst: torch.Tensor, start: int, stop: int) -> None:
+    """Rows ``[start, stop)`` of ``u``'s tensor, in its compute dtype, into ``dst`` (a tensor of
+    that many rows): the same values `upcast` writes for them."""
+    s = u.stored
+    dst.copy_(src[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)[start:stop])
+    if u.scale is not None:
+        scale = src[u.scale.offset : u.scale.offset + u.scale.nbytes].view(SCALE_DTYPE)
+        dst.mul_(scale[start:stop].view(-1, *([1] * (dst.dim() - 1))))
+
+
 def upcast(plan: tuple[Upcast, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
     """Write each tensor of ``plan``, in its compute dtype, into the flat buffer ``dst`` from
     ``src``, the block's stored buffer: one converting copy, then, for an fp8 tensor, a multiply

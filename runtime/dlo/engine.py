@@ -42,8 +42,16 @@ other tensors are used from the slot as they arrived. Device memory for streamed
 2 x stored + the largest layer in the compute dtype: the buffer holds one layer, not one block
 (a Wan block of width 1024: 16 MB for its largest fp32 layer, 4096 x 1024, against 64 MB
 for the block), so the cast shrinks the slots without a block-sized buffer coming back beside
-them; on the CPU, where the device is host memory, that is what lets bf16 and fp8 shrink a
-group's host memory by their ratio. The upcast is one element-wise pass over the block,
+them. On the CPU, where the device is host memory, that is what lets bf16 and fp8 shrink a
+group's host memory by their ratio, and there a Linear weight larger than
+`UPCAST_CHUNK_BYTES` is upcast a chunk of output rows at a time (64 or a multiple), each
+chunk's outputs computed before the next overwrites it (`_chunked_linear`): the buffer holds
+1 MiB instead of 16 MB, and the output is the whole layer's bit for bit, since the matrix
+kernels sum each output over the same inputs in the same order whichever columns they are
+asked for (a dp=2 fp8 group on a 1 GB Wan: 510 MB of host memory before, 465 after,
+``bench/weights_dtype.py``).
+On an accelerator the buffer is device memory and kernels are chosen by shape, so layers are
+upcast whole there. The upcast is one element-wise pass over the block,
 memory-bound, next to a forward whose matmuls read the same weights once per token tile; split
 by layer, it is the same bytes. On the CPU an overlap
 would not help anyway (the transfer thread runs on the cores the forward needs); medians on one
@@ -63,29 +71,41 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from typing import cast as typed
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
 from runtime.dlo import hostmem
 from runtime.dlo.cast import (
     SCALE_SUFFIX,
+    RowChunks,
     Upcast,
     cast,
     check_weights_dtype,
+    chunk_rows,
     fp8_scale,
     packed,
     stored_layout,
     upcast,
     upcast_plan,
+    upcast_rows,
 )
 from runtime.dlo.checkpoint import Checkpoint
-from runtime.dlo.layout import BlockLayout, Entry, block_tensors, build_layout, layout_digest
+from runtime.dlo.layout import (
+    ALIGN_BYTES,
+    BlockLayout,
+    Entry,
+    _round_up,
+    block_tensors,
+    build_layout,
+    layout_digest,
+)
 from runtime.platform import Platform, get_platform
 
 log = logging.getLogger(__name__)
@@ -101,6 +121,9 @@ _MIN_LIST_SHARE = 0.10
 # this rank) the check is still looked at, and how often.
 LEAVE_LATE_SHARE = 0.75
 LEAVE_LOOK_SECONDS = 0.005
+# On the CPU, where the compute buffer is host memory, the most of a cast Linear weight upcast
+# at once (`_chunked_linear`): a Wan block of width 1024 in fp8 then needs 1 MiB of it, not 16.
+UPCAST_CHUNK_BYTES = 1 << 20
 
 
 class ForwardLeft(Exception):
@@ -271,10 +294,13 @@ class DLOHandle:
         # of modules with submodules, which any part of the block's forward may read) when the
         # block is bound, into the region before it. The buffer fits the largest rest and the
         # largest layer: a layer, not a block, in the compute dtype.
+        # On the CPU the buffer is host memory, so a large Linear's weight is upcast a chunk of
+        # rows at a time instead (`UPCAST_CHUNK_BYTES`).
         self._upcasts, self._layer_upcasts, self._compute_bytes = _upcast_plans(
-            self._streamed, self._stored[resident_blocks:])
+            self._streamed, self._stored[resident_blocks:], _chunk_bytes(platform))
         # The cast tensors upcast per layer.
-        self._layer_names = {u.entry.name for _, _, plan in self._layer_upcasts for u in plan}
+        self._layer_names = {u.entry.name for lu in self._layer_upcasts
+                             for u in (*lu.plan, *([lu.chunks.upcast] if lu.chunks else []))}
         # A cast block streams from a host copy in its stored dtype: this rank's shards in
         # allgather mode, the whole blocks in rank-local mode (the source holds them uncast).
         self._host_copy = config.use_allgather or any(self._casts)
@@ -349,14 +375,14 @@ class DLOHandle:
         self._block_seconds = 0.0  # between the last two acquires of one forward, on this rank
         self._within_hooks = False  # the pre-hooks that let it are registered
         self._left = False  # the group left the current forward: nothing is owed to catch up
-        self._hooks: list[RemovableHandle] = []
+        self._hooks: list[RemovableHandle | _InstanceForward] = []
         for lay, mod in zip(layouts[resident_blocks:], block_modules[resident_blocks:],
                             strict=True):
             self._unbind(lay)
             self._hooks.append(mod.register_forward_pre_hook(self._make_pre_hook(lay.index)))
             self._hooks.append(mod.register_forward_hook(self._make_post_hook(lay.index)))
-        for index, owner, plan in self._layer_upcasts:
-            self._hooks.extend(self._make_layer_hooks(index, owner, plan))
+        for lu in self._layer_upcasts:
+            self._hooks.extend(self._make_layer_hooks(lu))
         if self._streamed:
             self._prefetch(self._streamed[0].index, slot=0)
 
@@ -696,20 +722,22 @@ class DLOHandle:
 
         return post_hook
 
-    def _make_layer_hooks(self, index: int, layer: nn.Module,
-                          plan: tuple[Upcast, ...]) -> list[RemovableHandle]:
-        """Hooks that upcast ``layer``'s cast tensors (of block ``index``) from the bound slot
-        into their region of the compute buffer just before the layer runs, and bind them only
-        for its forward: a read of them anywhere else finds a meta tensor and fails, rather
-        than reading another layer's values."""
+    def _make_layer_hooks(self, lu: _LayerUpcast) -> list[RemovableHandle | _InstanceForward]:
+        """Hooks that upcast the cast tensors of ``lu.layer`` (of block ``lu.index``) from the
+        bound slot into their region of the compute buffer just before the layer runs, and bind
+        them only for its forward: a read of them anywhere else finds a meta tensor and fails,
+        rather than reading another layer's values. A Linear whose weight goes in row chunks
+        computes through `_chunked_linear` instead of its own forward."""
+        index, layer, plan = lu.index, lu.layer, lu.plan
         buf = self._compute_buf
         assert buf is not None
         views = [_view(u.entry, buf, u.offset) for u in plan]
+        name = (plan[0] if plan else typed(RowChunks, lu.chunks).upcast).entry.name
 
         def pre_hook(module: nn.Module, args: Any) -> None:
             bound = self._bound
             if bound is None or bound[0] != index:
-                raise RuntimeError(f"{plan[0].entry.name} ran outside its block's forward, "
+                raise RuntimeError(f"{name} ran outside its block's forward, "
                                    "where its weights are not bound")
             # On the compute stream, after the layer before it (which read this region).
             upcast(plan, self._slots[bound[1]], buf)
@@ -720,8 +748,44 @@ class DLOHandle:
             for u in plan:
                 _set_tensor(u.entry, self._placeholders[u.entry.name])
 
-        return [layer.register_forward_pre_hook(pre_hook),
-                layer.register_forward_hook(post_hook)]
+        hooks: list[RemovableHandle | _InstanceForward] = [
+            layer.register_forward_pre_hook(pre_hook),
+            layer.register_forward_hook(post_hook)]
+        if lu.chunks is not None:
+            hooks.append(self._chunked_linear(typed(nn.Linear, layer), lu.chunks, buf))
+        return hooks
+
+    def _chunked_linear(self, linear: nn.Linear, chunks: RowChunks,
+                        buf: torch.Tensor) -> _InstanceForward:
+        """Give ``linear`` a forward that upcasts its weight ``chunks.rows`` output rows at a
+        time into the region ``chunks`` names and computes those output features from each
+        chunk (its bias is bound whole by the layer's pre-hook). Matrix kernels sum every
+        output over the same inputs in the same order whatever columns they are asked for, so
+        the output equals the whole layer's bit for bit (tests/runtime/test_weights_dtype.py);
+        only on the CPU (`_chunk_bytes`), where the buffer is host memory."""
+        u, rows = chunks.upcast, chunks.rows
+        e = u.entry
+        region = buf[u.offset : u.offset + rows * (e.nbytes // e.shape[0])]
+        weight = region.view(e.dtype).view(rows, *e.shape[1:])
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            bound = self._bound
+            assert bound is not None  # the pre-hook has checked
+            src, bias = self._slots[bound[1]], linear.bias
+            out: torch.Tensor | None = None
+            for start in range(0, e.shape[0], rows):
+                stop = min(start + rows, e.shape[0])
+                part = weight[: stop - start]
+                upcast_rows(u, src, part, start, stop)
+                y = F.linear(x, part, None if bias is None else bias[start:stop])
+                if out is None:
+                    out = y.new_empty(*y.shape[:-1], e.shape[0])
+                out[..., start:stop] = y
+            assert out is not None
+            return out
+
+        linear.forward = forward  # type: ignore[method-assign, assignment]
+        return _InstanceForward(linear)
 
     # ---- public -------------------------------------------------------------------------
 
@@ -911,7 +975,8 @@ class DLOHandle:
                   for lay in self._layouts]
         return {"block_bytes": sum(st.padded_bytes for st in stored),
                 "max_block_bytes": max(st.padded_bytes for st in stored),
-                "compute_buffer_bytes": _upcast_plans(self._layouts, stored)[2]}
+                "compute_buffer_bytes": _upcast_plans(self._layouts, stored,
+                                                      _chunk_bytes(self.platform))[2]}
 
     @property
     def bytes_moved(self) -> tuple[int, int]:
@@ -998,12 +1063,15 @@ class DLOHandle:
         self._closed = True
 
 
-def _upcast_plans(layouts: Sequence[BlockLayout], stored: Sequence[BlockLayout]) -> tuple[
-        dict[int, tuple[Upcast, ...]], list[tuple[int, nn.Module, tuple[Upcast, ...]]], int]:
+def _upcast_plans(layouts: Sequence[BlockLayout], stored: Sequence[BlockLayout],
+                  chunk_bytes: int | None = None) -> tuple[
+        dict[int, tuple[Upcast, ...]], list[_LayerUpcast], int]:
     """How the cast blocks among ``layouts`` (kept as ``stored``) are upcast: per block, the
     tensors upcast when it is bound, packed from the compute buffer's start; per leaf layer (a
     module without submodules: a Linear, a norm), its block, itself and its own tensors, packed
-    after the largest of those; and the compute buffer's size."""
+    after the largest of those, with, given ``chunk_bytes``, an ``nn.Linear``'s weight larger
+    than that taken in row chunks of at most that size (`RowChunks`) after the others; and the
+    compute buffer's size."""
     upcasts: dict[int, tuple[Upcast, ...]] = {}
     by_layer: dict[nn.Module, tuple[int, list[Upcast]]] = {}
     rest_bytes = 0
@@ -1022,10 +1090,49 @@ def _upcast_plans(layouts: Sequence[BlockLayout], stored: Sequence[BlockLayout])
     layers = []
     compute_bytes = rest_bytes
     for owner, (index, ups) in by_layer.items():
-        plan, end = packed(ups, base=rest_bytes)
-        layers.append((index, owner, plan))
+        weight = next((u for u in ups if u.entry.attr == "weight"), None)
+        chunked = (chunk_bytes is not None and type(owner) is nn.Linear and weight is not None
+                   and chunk_rows(weight.entry, chunk_bytes) < weight.entry.shape[0])
+        whole = [u for u in ups if not chunked or u is not weight]
+        plan, end = packed(whole, base=rest_bytes)
+        chunks = None
+        if chunked:
+            assert weight is not None
+            rows = chunk_rows(weight.entry, chunk_bytes or 0)
+            chunks = RowChunks(replace(weight, offset=end), rows)
+            end = _round_up(end + rows * (weight.entry.nbytes // weight.entry.shape[0]),
+                            ALIGN_BYTES)
+        layers.append(_LayerUpcast(index, owner, tuple(plan), chunks))
         compute_bytes = max(compute_bytes, end)
     return upcasts, layers, compute_bytes
+
+
+def _chunk_bytes(platform: Platform) -> int | None:
+    """The row-chunk bound for cast Linear weights (`_upcast_plans`): `UPCAST_CHUNK_BYTES` on
+    the CPU, none on an accelerator, whose compute buffer is device memory and whose matrix
+    kernels are chosen by shape."""
+    return None if platform.is_accelerator else UPCAST_CHUNK_BYTES
+
+
+class _InstanceForward:
+    """Takes a forward set on one module instance off again (``remove``, as a hook handle)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerUpcast:
+    """A leaf layer of streamed cast block ``index``: its cast tensors upcast whole just before
+    it runs (``plan``), and its weight in row chunks instead where ``chunks`` says so."""
+
+    index: int
+    layer: nn.Module
+    plan: tuple[Upcast, ...]
+    chunks: RowChunks | None
 
 
 def _make_views(lay: BlockLayout, buf: torch.Tensor) -> dict[str, torch.Tensor]:
