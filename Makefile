@@ -44,9 +44,10 @@ bench: install
 
 # The reliability soak (not part of `make test`): about 11 minutes on 2 cores; needs PostgreSQL
 # on 127.0.0.1:5432 and redis-server on PATH (it starts a private one). Then the worker group's
-# fault scenarios on both database backends (`make test` runs them on PostgreSQL), with the
-# slowest scenarios `make test` leaves out (marked chaos: 28 of them, some on both backends).
+# fault scenarios and whole-group tests on both database backends (`make test` runs them on
+# PostgreSQL), with the slowest scenarios `make test` leaves out (marked chaos: 83 of them,
+# counting parameters, some on both backends): 131 tests in all.
 chaos: install
 	$(BIN)/python bench/chaos.py
 	KILN_CHAOS=1 KILN_FAULTS_ON_EVERY_BACKEND=1 $(BIN)/python -m pytest -q --durations=15 \
-		-m "fault or chaos"
+		-m "fault or group or chaos"

@@ -7,9 +7,12 @@ runs do not collide. `redis_prefix` gives each test its own Redis key prefix and
 keys afterwards.
 
 The worker group's fault scenarios (marked ``fault``: a rank, the launcher or the group killed or
-stopped, Redis, the database or the output store gone) run on PostgreSQL only in ``make test``,
-which keeps the suite's wall time in bounds on two cores; ``KILN_FAULTS_ON_EVERY_BACKEND=1`` (set
-by ``make chaos``) runs them on SQLite too. Everything else runs on both. The slowest scenarios
+stopped, Redis, the database or the output store gone) and the other tests that start a whole
+worker group or service (marked ``group``) run on PostgreSQL only in ``make test``, which keeps
+the suite's wall time in bounds on two cores: on SQLite the same processes would run the same
+code a second time, and ``kiln up``'s tests (tests/test_cli_up.py) keep a whole service on
+SQLite in the suite. ``KILN_FAULTS_ON_EVERY_BACKEND=1`` (set by ``make chaos``) runs them on
+SQLite too. Everything else runs on both. The slowest scenarios
 (marked ``chaos``: each a minute or more of outages, long renders or a benchmark run) run only
 with ``KILN_CHAOS=1``, set by ``make chaos``.
 
@@ -74,7 +77,8 @@ def _chaos_only(item: pytest.Item) -> bool:
 
 
 def _postgres_only(item: pytest.Item) -> bool:
-    return (item.get_closest_marker("fault") is not None
+    return ((item.get_closest_marker("fault") is not None
+             or item.get_closest_marker("group") is not None)
             and not os.environ.get("KILN_FAULTS_ON_EVERY_BACKEND")
             and getattr(item, "callspec", None) is not None
             and item.callspec.params.get("db") == "sqlite")
@@ -130,9 +134,9 @@ def _is_unit(item: pytest.Item, starters: dict[str, bool]) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Fault scenarios on PostgreSQL only, unless KILN_FAULTS_ON_EVERY_BACKEND is set; the
-    slowest scenarios (marked ``chaos``) only with KILN_CHAOS set. Tests that reach no server
-    and start no process are marked ``unit``."""
+    """Fault and group scenarios on PostgreSQL only, unless KILN_FAULTS_ON_EVERY_BACKEND is
+    set; the slowest scenarios (marked ``chaos``) only with KILN_CHAOS set. Tests that reach no
+    server and start no process are marked ``unit``."""
     starters: dict[str, bool] = {}
     for item in items:
         if _is_unit(item, starters):

@@ -22,6 +22,9 @@ from sqlalchemy import select
 
 from storage.tables import Job
 
+# A whole worker group: on PostgreSQL only in `make test` (tests/conftest.py).
+pytestmark = pytest.mark.group
+
 NUM_JOBS = 20
 DEFAULTS = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}
 OPENS_AFTER_SECONDS = 4.0

@@ -163,6 +163,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.chaos  # slow: `make chaos` runs it, `make test` does not
 def test_a_killed_worker_group_and_celery_come_back_while_the_api_answers(
         tmp_path: Path) -> None:
     up = Up(tmp_path, "--dp", "1")

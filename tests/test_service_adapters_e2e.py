@@ -25,6 +25,9 @@ from runtime.pipelines.base import VideoRequest
 from runtime.render import frames_to_uint8, load_pipeline
 from storage.video import write_outputs
 
+# A whole worker group: on PostgreSQL only in `make test` (tests/conftest.py).
+pytestmark = pytest.mark.group
+
 JOB = {"model": "kiln-tiny", "prompt": "a red circle moving left", "seed": 5, "width": 64,
        "height": 64, "num_frames": 9, "num_inference_steps": 4, "fps": 8}
 

@@ -26,6 +26,9 @@ from runtime.sequence import Layout
 from storage.tables import Job
 from storage.video import write_outputs
 
+# A whole worker group: on PostgreSQL only in `make test` (tests/conftest.py).
+pytestmark = pytest.mark.group
+
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9,
        "num_inference_steps": 4, "fps": 8}
 

@@ -76,6 +76,7 @@ def _rendered_once_and_uncharged(rows: list[Job]) -> None:
         (r.id, r.attempts, r.uncharged_attempts) for r in rows]
 
 
+@pytest.mark.chaos  # slow (a 10 s outage): `make chaos` runs it, `make test` does not
 def test_redis_killed_for_10_s_and_back_empty_the_group_carries_on(
         db: Any, redis_prefix: str, tmp_path: Path) -> None:
     with PrivateRedis(tmp_path / "redis") as server, \

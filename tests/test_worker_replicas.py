@@ -33,6 +33,9 @@ from runtime.render import frames_to_uint8, load_pipeline
 from runtime.sequence import Layout, open_sequence
 from storage.video import write_outputs
 
+# A whole worker group: on PostgreSQL only in `make test` (tests/conftest.py).
+pytestmark = pytest.mark.group
+
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}
 
 # ---- the rank loop at dp=1 x sp=2, driven by a script -------------------------------------

@@ -135,6 +135,7 @@ def test_a_job_that_crashes_its_rank_every_time_ends_dead_and_the_rest_render(
     assert all(rows[j].attempts - rows[j].uncharged_attempts == 1 for j in others)
 
 
+@pytest.mark.chaos  # slow: `make chaos` runs it, `make test` does not
 def test_a_killed_launcher_leaves_ranks_that_hand_their_jobs_back_uncharged(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     with serving_api(db, redis_client, redis_prefix, tmp_path, users=("alice",)) as service, \

@@ -221,6 +221,7 @@ def test_an_output_directory_refusing_files_for_10_s_pauses_the_group_and_nothin
                         _refuse_files, "could not store")
 
 
+@pytest.mark.chaos  # slow (a 10 s outage): `make chaos` runs it, `make test` does not
 def test_a_full_output_disk_for_10_s_pauses_the_group_and_nothing_renders_twice(
         db: Any, redis_client: Any, redis_prefix: str, tmp_path: Path) -> None:
     # ENOSPC from a real file system, filled. No previews: a job that ends deletes its preview,

@@ -91,7 +91,8 @@ def test_test_models_have_parameter_counts_not_divisible_by_dp() -> None:
         assert all(n % dp for dp in (2, 3, 4)), (name, n)
 
 
-@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+# Four ranks on two cores take longest: `make chaos` runs them; three already shard unevenly.
+@pytest.mark.parametrize("dp", [1, 2, 3, pytest.param(4, marks=pytest.mark.chaos)])
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=_scenario_id)
 def test_dlo_forward_equals_resident_forward_bit_for_bit(
     exactness: Any, dp: int, scenario: tuple[str, str, str, str]

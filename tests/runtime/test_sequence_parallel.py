@@ -171,6 +171,7 @@ def minimax_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.chaos  # kiln-tiny's sp=2 cases stay in make test; `make chaos` runs it
 def test_minimax_h3_at_sp2_renders_what_one_rank_does(minimax_dir):
     # 124 frames of 64x32: 37 x 1 x 2 video rows, 414 audio rows and the prompt's, split over
     # the replica's two ranks (padded when odd).

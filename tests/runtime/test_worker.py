@@ -20,6 +20,9 @@ from storage import submission
 from storage.outputs import preview_key
 from storage.tables import User
 
+# A whole worker group: on PostgreSQL only in `make test` (tests/conftest.py).
+pytestmark = pytest.mark.group
+
 JOB = {"model": "kiln-tiny", "width": 64, "height": 64, "num_frames": 9, "fps": 8}
 
 
