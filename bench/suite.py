@@ -659,8 +659,9 @@ def _weights_dtype_lines(wd: dict[str, Any]) -> list[str]:
              "copied over the step (`DLOHandle.bytes_moved`). Host memory: the ranks' summed "
              "PSS after the step less the same ranks' before they load anything (torch, the "
              "pipelines' code, a process group). On the CPU it holds the engine's device "
-             "buffers too (two slots, and the compute buffer a cast layer is upcast into, "
-             "one layer at a time), which on an accelerator live on the device; the column "
+             "buffers too (two slots, and the compute buffer a cast layer is upcast into "
+             "just before it runs: here a large Linear's weight 1 MiB of rows at a time, "
+             "`UPCAST_CHUNK_BYTES`), which on an accelerator live on the device; the column "
              "beside leaves them out.",
              "", "| weights dtype | gathered per step MB | copied per step MB | gathered over "
              "checkpoint's | rank 0's host shard MB | host memory GB | of it device buffers "
