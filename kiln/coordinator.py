@@ -79,9 +79,11 @@ LEASE_LOST = "the lease of this attempt was lost"
 # Jobs a replica may hold at once: the one it runs and one it suspended for an interactive job.
 MAX_JOBS_PER_REPLICA = 2
 # In lock-step, a batch step that gathers weights is left part-way for an interactive job
-# (`StepPlan.leavable`, `Coordinator.leave_step`) only while more of it is left than it has
-# run, and more than this: the step's compute so far is lost, so a step is never left at a
-# cost above the wait it saves the interactive job.
+# (`StepPlan.leavable`, `Coordinator.leave_step`) only while more of it is left than this. An
+# exact job keeps the blocks its step computed (`runtime.step_replay`) and loses at most the
+# one it was inside, so its step is left as soon as the interactive job is due; a caching
+# job's step loses all it ran, and is left only while more of it is left than it has run, so
+# it is never left at a cost above the wait it saves.
 LEAVE_MIN_SECONDS = 0.1
 # What a batch job may lose to steps left part-way, as a share of its whole render's compute
 # (its steps x its seconds per step): past it, its steps are no longer left. Half the tenth a
@@ -271,6 +273,7 @@ class Coordinator:
         self._step_began = 0.0
         self._step_jobs: list[Holding] = []
         self._step_seconds: float | None = None
+        self._step_keeps = False  # its jobs keep the blocks it computed if it is left
         self._looked = -float("inf")
         self.leases = LeaseKeeper(self, lease_seconds)
 
@@ -375,6 +378,7 @@ class Coordinator:
         self._step_began = self.clock()
         known = [h.measured for h in jobs if h.measured]
         self._step_seconds = max(known) if known and len(known) == len(jobs) else None
+        self._step_keeps = all(h.ticket.request.step_cache is None for h in jobs)
         return leavable
 
     @staticmethod
@@ -386,19 +390,21 @@ class Coordinator:
     def leave_step(self) -> bool:
         """Asked between two blocks of a leavable step: leave it when an interactive job is due
         and a replica can be given it at the next plan (a free one, or one whose batch job it
-        would suspend), unless less of the step is left than it has run (or than
-        ``LEAVE_MIN_SECONDS``) or a job it computes would lose more than its budget. What the
-        step computed so far is lost to its jobs (counted against their budgets); their steps
-        are taken again, bit for bit."""
+        would suspend), unless less of the step is left than ``LEAVE_MIN_SECONDS`` (or, for a
+        caching job, than it has run) or a job it computes has lost its budget. Exact jobs keep
+        the blocks the step computed and lose the one under way; a caching job loses what the
+        step ran (the ranks report each job's loss, `Progress.lost_seconds`, which counts
+        against its budget). The steps are taken again, bit for bit."""
         now = self.clock()
         if not self._step_jobs or now - self._looked < LEAVE_LOOK_SECONDS:
             return False
         self._looked = now
         elapsed = now - self._step_began
+        ran = 0.0 if self._step_keeps else elapsed  # what leaving here loses, at most
         if (self._step_seconds is not None
-                and self._step_seconds - elapsed < max(LEAVE_MIN_SECONDS, elapsed)):
+                and self._step_seconds - elapsed < max(LEAVE_MIN_SECONDS, ran)):
             return False
-        if any(h.lost_seconds + elapsed > self._budget(h) for h in self._step_jobs):
+        if any(h.lost_seconds + ran >= self._budget(h) for h in self._step_jobs):
             return False
         if self.stopping or self.store_error is not None or now < self._claims_resume_at:
             return False
@@ -412,10 +418,9 @@ class Coordinator:
             return False
         if due:
             for h in self._step_jobs:
-                h.lost_seconds += elapsed
                 job_log("step_left", job=h.ticket.job_id, attempt=self.attempt_numbers.get(
                     h.ticket.attempt_token), replica=h.replica, step=h.steps_done,
-                    lost_s=round(elapsed, 3))
+                    after_s=round(elapsed, 3))
             self._step_jobs = []
         return due
 
@@ -602,6 +607,7 @@ class Coordinator:
         """A held job's report: steps left, its own seconds per step once it has run one, and
         where it resumed from (noted once per attempt)."""
         h.steps_left = st.num_inference_steps - st.step
+        h.lost_seconds = st.lost_seconds
         done_here = st.step - (st.resumed_from_step or 0)
         if done_here > 0 and st.compute_seconds > 0:
             h.measured = st.compute_seconds / done_here

@@ -73,11 +73,11 @@ from common import logs, retry
 from common.procs import cgroup_memory_bytes
 from runtime import resume
 from runtime.adapter_cache import AdapterCache, AdapterRef
-from runtime.dlo import ForwardLeft
 from runtime.mailbox import Mailbox, open_mailbox
 from runtime.pipelines.base import DenoiseState, VideoPipeline, VideoRequest, agree_handles
 from runtime.render import frames_to_uint8, memory_figures, soundtrack
 from runtime.sequence import SOLO, Layout
+from runtime.step_replay import StepLeft
 from storage.video import Soundtrack
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,9 @@ class Progress:
     # The step this attempt resumed from (a checkpoint of an earlier attempt); None: step 0.
     resumed_from_step: int | None = None
     computed: bool = True
+    # This attempt's compute lost to steps left part-way: what they ran past the blocks they
+    # keep (`runtime.step_replay`), all told.
+    lost_seconds: float = 0.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -235,10 +238,11 @@ class RankReport:
 RankMessage = Progress | Rendered | Ended | RankReport
 
 
-class StepInterrupted(Exception):
+class StepInterrupted(StepLeft):
     """A replica at its own pace left its step part-way, between two layers, for orders that
-    came meanwhile (`_Interrupt`). Nothing of the step was kept: the job's state is as it was
-    before it, and the job takes the step again from its start when it next runs."""
+    came meanwhile (`_Interrupt`). The job's state is as it was before it, and the job takes
+    the step again when it next runs, the blocks it computed given back (`runtime.step_replay`).
+    """
 
 
 @dataclass(slots=True)
@@ -260,6 +264,7 @@ class _Job:
     compute_seconds: float = 0.0  # spent in this attempt's steps
     gathers: int = 0  # in this attempt's steps
     interrupted_steps: int = 0  # steps left part-way for orders (`StepInterrupted`)
+    lost_seconds: float = 0.0  # compute those steps ran past the blocks they kept
     blocks_computed: int | None = None  # in this attempt's steps, where a step cache counts
     resumed_from_step: int | None = None
     checkpointed_step: int = 0  # the step of its newest checkpoint (or where it started)
@@ -506,9 +511,11 @@ class RankLoop:
         started = time.perf_counter()
         try:
             self.pipe.step(job.state, active)
-        except (StepInterrupted, ForwardLeft):
-            # The time spent is lost, not the job's: its cost model learns from whole steps.
+        except StepLeft:
+            # Not the job's time: its cost model learns from whole steps. What the step ran past
+            # the blocks it keeps is lost.
             job.interrupted_steps += 1
+            job.lost_seconds += self.pipe.last_step_lost_seconds
             self.interrupted = True
             return None
         except Exception as exc:
@@ -784,7 +791,7 @@ class RankLoop:
                          attempt_token=j.ticket.attempt_token, step=j.state.step_index,
                          num_inference_steps=j.state.num_inference_steps,
                          compute_seconds=j.compute_seconds, resumed_from_step=j.resumed_from_step,
-                         computed=stepped and j is self.current)
+                         computed=stepped and j is self.current, lost_seconds=j.lost_seconds)
                 for j in self.jobs]
 
     # Checkpoints of the jobs' denoising states.
@@ -1078,9 +1085,11 @@ class _Interrupt:
     take, a cancel or a hand-back of the job it computes, the stop) end the step there
     (`StepInterrupted`): an interactive job then waits for one layer of a batch job's step,
     not the whole step (a 256x256x33 kiln-tiny step takes 0.5 s on one core; its longest
-    stretch between two modules, a self-attention, 75 ms). What is left of the step is lost (at
-    most a step's compute per preemption); the orders wait in ``pending`` for the loop. The
-    job's state is as before the step (`VideoPipeline.step`: a caching job's step cache too)."""
+    stretch between two modules, a self-attention, 75 ms). The blocks the step had computed are
+    kept and given back when it is taken again (`runtime.step_replay`): a preemption loses at
+    most the block it came inside (a caching job's, the whole step). The orders wait in
+    ``pending`` for the loop. The job's state is as before the step (`VideoPipeline.step`: a
+    caching job's step cache too)."""
 
     LOOK_SECONDS = 0.005  # a look costs a round trip to the store: tens of microseconds
 
@@ -1096,12 +1105,15 @@ class _Interrupt:
                        for block in handle.block_modules for module in block.modules()]
 
     def arm(self, ticket: Ticket) -> None:
-        """``ticket``'s job steps now: its step may be left part-way."""
+        """``ticket``'s job steps now: its step may be left part-way, keeping the blocks it
+        computed (`VideoPipeline.keep_left_blocks`)."""
         self._job_id = ticket.job_id
         self._looked = time.monotonic()
+        self.loop.pipe.keep_left_blocks(True)
 
     def disarm(self) -> None:
         self._job_id = None
+        self.loop.pipe.keep_left_blocks(False)
 
     def take(self) -> list[StepPlan]:
         """The orders a look took, oldest first, for the loop to apply."""

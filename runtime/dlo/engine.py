@@ -107,6 +107,7 @@ from runtime.dlo.layout import (
     layout_digest,
 )
 from runtime.platform import Platform, get_platform
+from runtime.step_replay import StepLeft
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ LEAVE_LOOK_SECONDS = 0.005
 UPCAST_CHUNK_BYTES = 1 << 20
 
 
-class ForwardLeft(Exception):
+class ForwardLeft(StepLeft):
     """The weight group agreed to leave the forward before one of its blocks (`DLOHandle.
     leave_when`): every rank of the group raised it before the same block, so no gather of the
     rest of the forward is owed to any of them."""

@@ -59,6 +59,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
@@ -73,6 +74,7 @@ from runtime.dlo import DLOHandle, ForwardLeft
 from runtime.pipelines import resumable
 from runtime.platform import default_device
 from runtime.step_cache import JobCache, StepCache, job_cache
+from runtime.step_replay import LEFT_STEP, LeftStep, StepLeft, StepReplay
 
 
 @dataclass(kw_only=True, frozen=True, slots=True, eq=False)
@@ -178,9 +180,14 @@ class VideoPipeline(abc.ABC):
         # None where the pipeline offers none. A pipeline that offers them installs them.
         self.step_caches: list[StepCache | None] = [None] * len(self.handles)
         self._deciding = False  # inside step(): its forwards end with the group's decision
+        # Steps that may be left part-way keep their blocks' outputs (`keep_left_blocks`).
+        self._replay: StepReplay | None = None
+        self._keeps_left = False
         # What this rank's last step (or idle step) did: the blocks it gathered across ranks
         # and, where the pipeline has step caches, the blocks it computed.
         self.last_step_figures: dict[str, int] = {}
+        # What the last step left part-way (`StepLeft`) had computed and does not keep.
+        self.last_step_lost_seconds = 0.0
 
     @abc.abstractmethod
     def prepare(self, request: VideoRequest) -> DenoiseState: ...
@@ -278,6 +285,12 @@ class VideoPipeline(abc.ABC):
         counts = self._counts()
         cache_before = job.copy() if job is not None else None
         left = False
+        began = time.perf_counter()
+        kept: LeftStep | None = state.extra.pop(LEFT_STEP, None)
+        replay = self._replay if self._keeps_left and job is None and not deciding else None
+        if replay is not None:
+            replay.begin(kept if kept is not None and kept.step_index == state.step_index
+                         and kept.active == tuple(on) else None)
         try:
             if job is not None and not deciding:
                 raise ValueError("a job that caches steps on ranks that gather weights needs "
@@ -295,8 +308,17 @@ class VideoPipeline(abc.ABC):
             left = isinstance(exc, ForwardLeft)
             if cache_before is not None:
                 state.extra[STEP_CACHE] = cache_before
+            if isinstance(exc, StepLeft):
+                self.last_step_lost_seconds = time.perf_counter() - began
+            if replay is not None and isinstance(exc, StepLeft):
+                # Left for another job: the blocks computed are kept for the step taken again.
+                self.last_step_lost_seconds = replay.unkept_seconds
+                state.extra[LEFT_STEP] = LeftStep(step_index=state.step_index, active=tuple(on),
+                                                  outputs=replay.end())
             raise
         finally:
+            if replay is not None:
+                replay.end()
             # The gathers this job did not need (no CFG, the expert another rank needs), or that
             # a forward which raised part-way never issued: every other rank is waiting for them.
             # None after the group left the step together (`leave_steps_when`).
@@ -405,6 +427,21 @@ class VideoPipeline(abc.ABC):
         finally:
             self._count_step(counts)
 
+    def keep_left_blocks(self, on: bool) -> None:
+        """Until called with False, a step this rank's job leaves part-way (`StepLeft`) keeps
+        the outputs of the blocks it computed, and the same step taken again gives them back
+        rather than computing them (`runtime.step_replay`): a preemption loses at most the block
+        it came inside. Only for jobs that do not cache steps."""
+        if on and self._replay is None:
+            # Set up at first use, around whatever else wraps the blocks (the step caches).
+            self._replay = StepReplay(h.block_modules for h in self.handles if h is not None)
+        self._keeps_left = on
+
+    @property
+    def blocks_replayed(self) -> int:
+        """Block calls that gave back a left step's kept output instead of computing."""
+        return 0 if self._replay is None else self._replay.replayed
+
     def leave_steps_when(self, check: Callable[[], bool] | None, *,
                          within_blocks: bool = False, late: bool = False) -> None:
         """Until called again with None, the group may leave a step between two blocks of a
@@ -413,7 +450,9 @@ class VideoPipeline(abc.ABC):
         state as before the step (its latents and step cache), and `idle_step` returns. Every
         rank of the group calls it for the same steps. ``within_blocks``: a computing rank may
         leave in the middle of a block; ``late``: this rank's check is the one that changes, and
-        is looked at until late in each block (`DLOHandle.leave_when`)."""
+        is looked at until late in each block (`DLOHandle.leave_when`). A job's step left so
+        keeps the blocks it computed (`keep_left_blocks`)."""
+        self.keep_left_blocks(check is not None)
         for handle in self.handles:
             if handle is not None and handle.gathers:
                 handle.leave_when(check, within_blocks=within_blocks, late=late)

@@ -1,7 +1,9 @@
 """A replica at its own pace leaves a step part-way for orders that want it
-(`runtime.rank_loop._Interrupt`): the orders wait for the loop, nothing of the step is kept, and
-the job's frames equal an uninterrupted render's, bit for bit, however many of its steps were
-left, in kiln-tiny (exact and caching) and in a tiny Wan streamed from a rank-local copy."""
+(`runtime.rank_loop._Interrupt`): the orders wait for the loop, the blocks the step computed are
+given back when it is taken again (`runtime.step_replay`; a caching job's step runs again
+whole), and the job's frames equal an uninterrupted render's, bit for bit, however many of its
+steps were left, in kiln-tiny (exact and caching) and in a tiny Wan streamed from a rank-local
+copy."""
 
 from __future__ import annotations
 
@@ -75,11 +77,14 @@ def test_kiln_tiny_left_part_way_renders_the_uninterrupted_frames() -> None:
         plain, _ = _render(loop, request, None)
         # A hold at looks 3, 20 and 41: in the first block, a later block, a later step.
         held, interrupted = _render(loop, request, Orders(StepPlan(hold=[0]), {3, 20, 41}))
+        replayed = loop.pipe.blocks_replayed
         # An order for another replica leaves no step.
         other, none = _render(loop, request, Orders(StepPlan(hold=[1]), {3, 20}))
     finally:
         loop.close()
     assert interrupted == 3 and none == 0
+    # The two steps left past their first block took back what they had computed.
+    assert replayed >= 2 and loop.pipe.blocks_replayed == replayed
     assert np.array_equal(held, plain) and np.array_equal(other, plain)
 
 
@@ -97,14 +102,15 @@ def test_a_caching_job_left_part_way_renders_the_uninterrupted_frames() -> None:
         held, interrupted = _render(loop, request, Orders(StepPlan(hold=[0]), {3, 30, 60, 90}))
     finally:
         loop.close()
-    assert interrupted == 4
+    assert interrupted == 4 and loop.pipe.blocks_replayed == 0
     assert np.array_equal(held, plain)
     assert plain_blocks < 12 * 4
 
 
 def test_a_streamed_wan_left_part_way_renders_the_uninterrupted_frames(tmp_path: Path) -> None:
     """Rank-local, every block streamed through the two slots from the rank's own copy: a step
-    left in the middle of a block leaves the engine ready for the next forward."""
+    left in the middle of a block leaves the engine ready for the next forward; a step left in
+    its second block takes the first one's output back."""
     from runtime.models.synthetic import SyntheticSpec, make_checkpoint
     from runtime.pipelines.registry import load_diffusers
 
@@ -117,8 +123,8 @@ def test_a_streamed_wan_left_part_way_renders_the_uninterrupted_frames(tmp_path:
     try:
         assert pipe.handles[0].streamed_blocks == pipe.handles[0].num_blocks
         plain, _ = _render(loop, request, None)
-        held, interrupted = _render(loop, request, Orders(StepPlan(hold=[0]), {5, 30}))
+        held, interrupted = _render(loop, request, Orders(StepPlan(hold=[0]), {5, 45}))
     finally:
         loop.close()
-    assert interrupted == 2
+    assert interrupted == 2 and pipe.blocks_replayed >= 1
     assert np.array_equal(held, plain)

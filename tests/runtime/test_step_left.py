@@ -1,7 +1,8 @@
 """A lock-step group of ranks that gather weights leaves a step part-way, all together
 (`VideoPipeline.leave_steps_when`, `DLOHandle.leave_when`): every rank stops before the same
-block, computing or idle, no rank owes another a gather, and each job takes the step again from
-its start, so its frames equal an uninterrupted render's bit for bit.
+block, computing or idle, no rank owes another a gather, and each job takes the step again, the
+blocks it had computed given back rather than computed again (`runtime.step_replay`), so its
+frames equal an uninterrupted render's bit for bit.
 
 Two CPU ranks over gloo with allgather (`tests.multirank`), each running its own request in
 lock-step; rank 0's check says "leave" at the looks listed (counted from 1, one look per block
@@ -46,9 +47,10 @@ TINY = [VideoRequest(prompt="a red ball", num_inference_steps=6, seed=1, guidanc
 def _lockstep_leaving(pipe: VideoPipeline, rank: int, requests: list[VideoRequest],
                       leave_at: set[int],
                       within_blocks: bool = False,
-                      late: bool = False) -> tuple[np.ndarray, int, list[int]]:
+                      late: bool = False) -> tuple[np.ndarray, int, list[int], int]:
     """``requests[rank]``'s frames rendered in lock-step with the group leaving steps where
-    rank 0's looks ``leave_at`` say; the steps left, and each handle's blocks acquired."""
+    rank 0's looks ``leave_at`` say; the steps left, each handle's blocks acquired, and the
+    block calls given back from a left step (`runtime.step_replay`)."""
     looks = 0
 
     def check() -> bool:
@@ -77,7 +79,8 @@ def _lockstep_leaving(pipe: VideoPipeline, rank: int, requests: list[VideoReques
         pipe.leave_steps_when(None)
         left += was_left
     frames = pipe.decode(state).numpy()
-    return frames, left, [h.num_acquired for h in pipe.handles if h is not None]
+    return (frames, left, [h.num_acquired for h in pipe.handles if h is not None],
+            pipe.blocks_replayed)
 
 
 def _alone(load: Callable[[], VideoPipeline], request: VideoRequest) -> np.ndarray:
@@ -98,7 +101,7 @@ def _tiny() -> VideoPipeline:
 
 
 def _tiny_rank(rank: int, world: int, leave_at: set[int], within_blocks: bool,
-               late: bool = False) -> tuple[np.ndarray, int, list[int]]:
+               late: bool = False) -> tuple[np.ndarray, int, list[int], int]:
     pipe = _tiny()
     try:
         assert pipe.gathers_weights
@@ -116,11 +119,15 @@ def test_kiln_tiny_steps_left_together_render_the_uninterrupted_frames(within_bl
     idle one, at the next block: both issued the same gathers."""
     # Looks 2 (step 1, early), 9 (a later step) and 16 (after rank 1's job ended: it idles).
     leaving = run_ranks(2, _tiny_rank, {2, 9, 16}, within_blocks)
-    (frames0, left0, acquired0), (frames1, left1, acquired1) = leaving
+    (frames0, left0, acquired0, kept0), (frames1, left1, acquired1, kept1) = leaving
     assert left0 == left1 == 3  # both ranks left the same steps
     assert acquired0 == acquired1  # and issued the same gathers
     # 6 steps of 4 blocks (CFG in one forward) whole, and 3 left before their last block.
     assert acquired0[0] < (6 + 3) * 4
+    # Rank 0's job computed blocks in each step left (the third, after rank 1's job ended,
+    # too), and took them back: at least the block before each look, once. Rank 1's job was
+    # in the first two steps left.
+    assert kept0 >= 3 and kept1 >= 2
     np.testing.assert_array_equal(frames0, _alone(_tiny, TINY[0]))
     np.testing.assert_array_equal(frames1, _alone(_tiny, TINY[1]))
 
@@ -129,8 +136,8 @@ def test_kiln_tiny_steps_left_together_render_the_uninterrupted_frames(within_bl
 def test_rank_0s_check_looked_at_late_in_each_block_leaves_the_same_steps_everywhere():
     """Rank 0's check is looked at again and again while each block computes (how often
     depends on the block's time): whichever steps it leaves, every rank leaves them too."""
-    (frames0, left0, acquired0), (frames1, left1, acquired1) = run_ranks(
-        2, _tiny_rank, {2, 40, 80}, True, True)
+    leaving = run_ranks(2, _tiny_rank, {2, 40, 80}, True, True)
+    (frames0, left0, acquired0, _), (frames1, left1, acquired1, _) = leaving
     assert left0 == left1 >= 1 and acquired0 == acquired1
     np.testing.assert_array_equal(frames0, _alone(_tiny, TINY[0]))
     np.testing.assert_array_equal(frames1, _alone(_tiny, TINY[1]))
@@ -150,7 +157,7 @@ def wan22_dir(tmp_path_factory):
 
 
 def _wan_rank(rank: int, world: int, model_dir: str,
-              leave_at: set[int]) -> tuple[np.ndarray, int, list[int]]:
+              leave_at: set[int]) -> tuple[np.ndarray, int, list[int], int]:
     pipe = load_diffusers(model_dir, device="cpu")
     try:
         return _lockstep_leaving(pipe, rank, EITHER_SIDE, leave_at)
@@ -163,8 +170,9 @@ def test_a_wan22_step_left_while_a_rank_idles_the_other_expert_renders_the_same(
     # Looks 1 and 4: in the first step, and in a later one (the synthetic experts have two
     # blocks each: one look per forward of an expert).
     leaving = run_ranks(2, _wan_rank, str(wan22_dir), {1, 4})
-    (frames0, left0, acquired0), (frames1, left1, acquired1) = leaving
+    (frames0, left0, acquired0, kept0), (frames1, left1, acquired1, kept1) = leaving
     assert left0 == left1 == 2 and acquired0 == acquired1
+    assert kept0 + kept1 >= 2  # each step left had a computed block to give back
     load = partial(load_diffusers, str(wan22_dir), device="cpu")
     np.testing.assert_array_equal(frames0, _alone(load, EITHER_SIDE[0]))
     np.testing.assert_array_equal(frames1, _alone(load, EITHER_SIDE[1]))

@@ -46,6 +46,7 @@ class Queued:
     job_class: str
     steps: int
     tokens: int
+    step_cache: float | None = None
 
 
 @dataclass
@@ -74,8 +75,8 @@ class MemoryIO:
                                        "refused.")
 
     def submit(self, job_id: str, job_class: str = BATCH, steps: int = 30,
-               tokens: int = 1000) -> None:
-        self.queue.append(Queued(job_id, job_class, steps, tokens))
+               tokens: int = 1000, step_cache: float | None = None) -> None:
+        self.queue.append(Queued(job_id, job_class, steps, tokens, step_cache))
 
     def claim(self, free: Sequence[int], running: Sequence[RunningJob], *, prefer: str,
               job_class: str | None) -> list[Claimed]:
@@ -95,7 +96,8 @@ class MemoryIO:
             if self.lose_next_claim:
                 self.lose_next_claim = False
                 raise RedisConnectionError("Connection closed by server.")
-            request = VideoRequest(prompt=q.job_id, num_inference_steps=q.steps)
+            request = VideoRequest(prompt=q.job_id, num_inference_steps=q.steps,
+                                   step_cache=q.step_cache)
             out.append(Claimed(replica=replica, job_class=q.job_class, model="kiln-tiny",
                                tokens=q.tokens, attempt=1,
                                ticket=Ticket(job_id=q.job_id, attempt_token=token,
@@ -493,8 +495,8 @@ def test_statuses_of_another_attempt_do_not_move_the_held_one() -> None:
 
 def test_in_lock_step_a_batch_step_is_left_part_way_for_a_due_interactive_job() -> None:
     """Only a turn of batch work is leavable; rank 0 says leave once an interactive job is due
-    (a replica can be given it), and the jobs' lost compute counts against their budgets (a
-    twentieth of a render's)."""
+    (a replica can be given it), and the compute the ranks say the jobs lost counts against
+    their budgets (a twentieth of a render's)."""
     g = Group(dp=2)
     g.io.submit("long", steps=100)
     g.io.submit("short", steps=40)
@@ -505,25 +507,40 @@ def test_in_lock_step_a_batch_step_is_left_part_way_for_a_due_interactive_job() 
     g.io.submit("i", INTERACTIVE, steps=4, tokens=20)
     g.clock.now += 0.5
     assert g.c.leave_step()
-    assert {h.ticket.job_id: h.lost_seconds for h in g.c.held.values()} == {"long": 0.5,
-                                                                          "short": 0.5}
     assert not g.c.leave_step()  # said once per step
-    # The step left, nothing of it kept: the next plan gives the interactive job a replica,
-    # and its turns are not leavable.
-    g.c.record([g.progress(j, step=g.steps[j], computed=False) for j in ("long", "short")])
+    # The step left, the blocks it computed kept (`runtime.step_replay`): the ranks say what
+    # it lost past them. The next plan gives the interactive job a replica, and its turns are
+    # not leavable.
+    g.c.record([g.progress(j, step=g.steps[j], computed=False, lost_seconds=0.1)
+                for j in ("long", "short")])
+    assert {h.ticket.job_id: h.lost_seconds for h in g.c.held.values()} == {"long": 0.1,
+                                                                          "short": 0.1}
     plan = g.turn()
     assert {r: t.job_id for r, t in plan.assign.items()} == {0: "i"}
     assert plan.run == {0: "i"} and not plan.leavable
 
 
-def test_a_batch_step_more_run_than_left_is_not_left() -> None:
-    """Leaving it would lose more compute than the wait it saves the interactive job."""
+@pytest.mark.parametrize("caching", [False, True], ids=["exact", "caching"])
+def test_a_batch_step_more_run_than_left_is_left_only_where_it_keeps_its_blocks(caching):
+    """An exact job keeps the blocks its step computed: leaving loses the one under way. A
+    caching job's step loses all it ran: leaving it more run than left would lose more
+    compute than the wait it saves the interactive job."""
     g = Group(dp=1)
-    g.io.submit("a", steps=10)
+    g.io.submit("a", steps=10, step_cache=0.1 if caching else None)
     g.turn()  # its 1 s steps are measured now
     assert g.plan().leavable
     g.io.submit("i", INTERACTIVE, steps=4)
-    g.clock.now += 0.55  # 0.45 s of the step is left: it finishes
+    g.clock.now += 0.55  # 0.45 s of the step is left
+    assert g.c.leave_step() == (not caching)
+
+
+def test_a_batch_step_about_to_end_is_not_left() -> None:
+    g = Group(dp=1)
+    g.io.submit("a", steps=10)
+    g.turn()
+    assert g.plan().leavable
+    g.io.submit("i", INTERACTIVE, steps=4)
+    g.clock.now += 0.95  # less than LEAVE_MIN_SECONDS of it is left
     assert not g.c.leave_step()
 
 
@@ -531,11 +548,8 @@ def test_a_batch_job_out_of_budget_for_left_steps_finishes_its_steps() -> None:
     g = Group(dp=1)
     g.io.submit("a", steps=10)
     g.turn()
-    g.c.held["a"].lost_seconds = 0.45  # of 10 steps x 1 s x 0.05
-    assert g.plan().leavable
-    g.io.submit("i", INTERACTIVE, steps=4)
-    g.clock.now += 0.2
-    assert not g.c.leave_step()  # 0.2 s more would pass its budget
+    g.c.held["a"].lost_seconds = 0.5  # all of 10 steps x 1 s x 0.05
+    assert not g.plan().leavable
 
 
 @pytest.mark.parametrize("how", ["own pace", "throughput group", "outage"])
