@@ -255,6 +255,11 @@ class Coordinator:
         # pace the ranks report when they step, each on its own).
         self.rank_reports: dict[int, RankReport] = {}
         self.own_pace = False
+        # On the CPU the replicas compute on one host's cores: at their own pace too, a batch
+        # replica stepping beside an interactive job slows it (about 2.4x at dp=2 on two cores),
+        # so it sits the interactive job's steps out (`StepPlan.pause`), as in lock-step. On an
+        # accelerator each replica computes on its own device, and none waits for another.
+        self.shares_cores = platform_name == "cpu"
         # At their own pace a replica of one rank leaves its step part-way for the job it is
         # given (`runtime.rank_loop._Interrupt`): the interactive job is claimed for it at once.
         # A replica of several ranks keeps to step boundaries, so it is preempted in two plans:
@@ -439,8 +444,10 @@ class Coordinator:
         job suspended for another, or continued after one, is noted in its events."""
         now = self.clock()
         turn = choose_turn([h.held_job(now) for h in self.held.values()], self.turns,
-                           shared=not self.own_pace)
+                           shared=not self.own_pace or self.shares_cores)
         plan.run = turn.run
+        if self.own_pace:
+            plan.pause = sorted(turn.pause)
         running = set(turn.run.values())
         for job_id, h in self.held.items():
             if job_id in running:

@@ -155,6 +155,11 @@ class StepPlan:
     # again: a job about to be claimed for them (an interactive one that preempts their batch
     # job) then starts at once rather than after the step it arrived in.
     hold: list[int] = field(default_factory=list)
+    # Replicas at their own pace that sit out, from their next layer (a replica of one rank) or
+    # step boundary on, keeping their jobs, until orders name a job for them to run (``run`` or
+    # ``assign``): on a host whose replicas share its cores, a batch replica while interactive
+    # work runs on another (`scheduler.turns`, as a lock-step turn leaves it out of ``run``).
+    pause: list[int] = field(default_factory=list)
     # In lock-step, a step of weight-gathering replicas that the group may leave between two
     # blocks, whenever rank 0's driver says so (`GroupDriver.leave_step`): an interactive job
     # that preempts the batch work of this turn then waits for a block, not for the step.
@@ -232,7 +237,7 @@ class RankReport:
     memory: dict[str, Any] = field(default_factory=dict)
     takes_jobs: bool = True
     store_error: str | None = None
-    waiting: bool = False  # stopped on a `StepPlan.hold`, waiting for orders
+    waiting: bool = False  # stopped on a `StepPlan.hold` or `pause`, waiting for orders
 
 
 RankMessage = Progress | Rendered | Ended | RankReport
@@ -1011,6 +1016,7 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
         conductor = _Conductor(driver, mailbox.clone(), layout, stop_event, peer_timeout_s)
         conductor.start()
     hold_until: float | None = None  # the leader's, while on a hold: when it lapses
+    paused = False  # on a `StepPlan.pause`, until orders name a job to run
     try:
         while True:
             if conductor is not None and conductor.error is not None:
@@ -1020,8 +1026,8 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
             if loop.leads:
                 # On a hold the replica takes no step until its orders come or the hold lapses.
                 left = None if hold_until is None else hold_until - time.monotonic()
-                wait = (IDLE_REPORT_SECONDS if not loop.jobs else 0.0 if left is None
-                        else max(0.0, left))
+                wait = (IDLE_REPORT_SECONDS if not loop.jobs or paused
+                        else 0.0 if left is None else max(0.0, left))
                 # Orders an interrupted step took first, then any that came since.
                 orders = interrupt.take() if interrupt is not None else []
                 orders += mailbox.orders(loop.slot, wait=0.0 if orders else wait)
@@ -1040,9 +1046,10 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
                 break
             for plan in orders:
                 messages.extend(loop.apply(plan))
+                paused = _paused_by(plan, loop.slot, paused)
             if loop.current is None:
                 loop.pick()
-            stepped = loop.current is not None and not holding
+            stepped = loop.current is not None and not holding and not paused
             if stepped:
                 assert loop.state is not None and loop.current is not None
                 if interrupt is not None:
@@ -1057,7 +1064,7 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
                 stepped = not loop.interrupted  # a step left part-way computed nothing kept
             if loop.leads:
                 messages.extend(loop.progress(stepped))
-            messages.append(loop.report(waiting=holding))
+            messages.append(loop.report(waiting=holding or (paused and bool(loop.jobs))))
             mailbox.report(messages)
             loop.reported()
     finally:
@@ -1069,6 +1076,16 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
     dist.barrier(group=control)
     if conductor is not None and conductor.error is not None:
         raise RuntimeError("the group's coordinator failed") from conductor.error
+
+
+def _paused_by(plan: StepPlan, slot: int, paused: bool) -> bool:
+    """Whether replica ``slot`` sits out after ``plan`` (it was: ``paused``): from a
+    `StepPlan.pause` naming it until orders name a job for it to run."""
+    if slot in plan.pause:
+        return True
+    if slot in (plan.run or {}) or slot in plan.assign:
+        return False
+    return paused
 
 
 def leaves_steps_part_way(layout: Layout) -> bool:
@@ -1138,7 +1155,7 @@ class _Interrupt:
 
     def _wants_replica(self, plan: StepPlan) -> bool:
         slot = self.loop.slot
-        return (plan.stop or slot in plan.hold or slot in plan.assign
+        return (plan.stop or slot in plan.hold or slot in plan.pause or slot in plan.assign
                 or self._job_id in plan.drop or self._job_id in plan.hand_back)
 
 
@@ -1179,6 +1196,7 @@ class _Conductor:
         self.error: BaseException | None = None
         self._closing = threading.Event()
         self._ran: dict[int, str] = {}  # replica -> the job its last orders named to run
+        self._paused: set[int] = set()  # replicas told to sit out (`StepPlan.pause`)
         self._heard = dict.fromkeys(range(layout.world), time.monotonic())
         self._thread = threading.Thread(target=self._run, daemon=True, name="kiln-conductor")
 
@@ -1215,12 +1233,18 @@ class _Conductor:
             if ticket is not None:
                 part.assign = {replica: ticket}
                 self._ran.pop(replica, None)  # the replica runs its new job first
+                self._paused.discard(replica)
+            if replica in plan.pause and replica not in self._paused and ticket is None:
+                part.pause = [replica]
+                self._paused.add(replica)
+                self._ran.pop(replica, None)  # named again when it is to run
             run = plan.run.get(replica) if plan.run is not None else None
             if run is not None and run != self._ran.get(replica):
                 part.run = {replica: run}
                 self._ran[replica] = run
+                self._paused.discard(replica)
             if (part.assign or part.run or part.drop or part.hand_back or part.abandon
-                    or part.hold or part.stop):
+                    or part.hold or part.pause or part.stop):
                 self.mailbox.send(replica, [part])
 
     def _check_peers(self, messages: list[RankMessage]) -> None:

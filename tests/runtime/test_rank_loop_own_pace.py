@@ -143,6 +143,86 @@ def test_a_small_job_beside_a_big_one_keeps_its_own_pace_unless_the_weights_are_
         assert out["big_step_when_waiting"] == out["big_step_at_i_end"] >= 2, out
 
 
+class PauseScript:
+    """Big on replica 0, long on replica 1. Once long has run 2 steps, replica 0 is paused
+    (`StepPlan.pause`: what a coordinator on a CPU host sends while interactive work runs
+    beside a batch job); once long has run 10 more, big is named to run again; long is dropped
+    once big has ended. Notes big's steps when replica 0 first said it waits and when it ran
+    again."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, list[int]] = {}
+        self.ended: dict[str, Ended] = {}
+        self.began = self.paused = self.resumed = self.dropped = False
+        self.long_at_pause = 0
+        self.big_when_waiting: int | None = None
+        self.big_at_resume: int | None = None
+
+    def start(self, memory: dict[str, Any], *, own_pace: bool = False) -> None:
+        pass
+
+    def _step(self, job_id: str) -> int:
+        return self.steps.get(job_id, [0])[-1]
+
+    def next_plan(self, stop_requested: bool) -> StepPlan:
+        plan = StepPlan(step=True)
+        if not self.began:
+            self.began = True
+            plan.assign = {0: Ticket(job_id="big", attempt_token="t", request=BIG),
+                           1: Ticket(job_id="long", attempt_token="t", request=LONG)}
+        elif not self.paused and self._step("long") >= 2:
+            self.paused, self.long_at_pause = True, self._step("long")
+            plan.pause = [0]
+        elif (self.paused and not self.resumed and self.big_when_waiting is not None
+              and self._step("long") >= self.long_at_pause + 10):
+            self.resumed, self.big_at_resume = True, self._step("big")
+            plan.run = {0: "big"}
+        elif "big" in self.ended and not self.dropped:
+            self.dropped = True
+            plan.drop = {"long": "cancelled by the test"}
+        elif "long" in self.ended:
+            plan = StepPlan(stop=True)
+        return plan
+
+    def record(self, messages: list[RankMessage]) -> None:
+        for m in messages:
+            if isinstance(m, Progress) and m.computed:
+                self.steps.setdefault(m.job_id, []).append(m.step)
+            elif isinstance(m, Ended):
+                self.ended[m.job_id] = m
+            elif (isinstance(m, RankReport) and m.rank == 0 and m.waiting and self.paused
+                  and self.big_when_waiting is None):
+                self.big_when_waiting = self._step("big")
+
+    def stop(self, memory: dict[str, Any], *, failed: bool) -> None:
+        pass
+
+
+def _pause_rank(rank: int, world: int) -> dict[str, Any] | None:
+    layout = Layout(dp=2, sp=1)
+    platform = get_platform("cpu")
+    pipe = load_pipeline(TINY_MODEL, device=platform.device, use_allgather=False,
+                         sequence=open_sequence(layout, platform.backend))
+    loop = RankLoop(rank, pipe, lambda frames, job_id, fps: ("v", "t"), platform, layout=layout)
+    script = PauseScript() if rank == 0 else None
+    run_loop(rank, world, loop, script, own_pace=True)
+    if script is None:
+        return None
+    return {"ended": {j: (m.outcome, m.step) for j, m in script.ended.items()},
+            "big_when_waiting": script.big_when_waiting, "big_at_resume": script.big_at_resume,
+            "replayed": pipe.blocks_replayed}
+
+
+def test_a_paused_replica_sits_out_until_it_is_named_to_run_again() -> None:
+    """Paused part-way through a step, replica 0 steps no more while replica 1 runs 10 steps,
+    and reports that it waits; named to run again, it takes its step again (the blocks it had
+    computed given back) and finishes its job."""
+    out = run_ranks(2, _pause_rank, timeout=180)[0]
+    assert out["ended"]["big"] == ("succeeded", 8)
+    assert out["big_when_waiting"] is not None
+    assert out["big_at_resume"] == out["big_when_waiting"] < 8, out
+
+
 def _sp_rank(rank: int, world: int) -> list[Any] | None:
     """One replica of two ranks (rank-local): its first rank takes the orders and hands them to
     the other on the replica's own group."""

@@ -320,10 +320,15 @@ def test_a_dear_batch_job_sits_out_while_a_cheap_interactive_one_runs_beside_it(
     assert plan.run == {1: "small"}  # big sits out: it would pace the small job's steps
 
 
+@pytest.mark.parametrize("platform", ["cuda", "cpu"])
 def test_replicas_at_their_own_pace_each_run_their_job_and_a_partial_report_forgets_no_rank(
-        ) -> None:
+        platform) -> None:
+    """On accelerators nobody sits out: no turn is shared, each replica has its own device. On
+    the CPU the replicas share the host's cores: the dear batch job is paused while the
+    interactive one runs, and named to run again once it is done."""
     g = Group(dp=2)
     g.c.own_pace = True  # what start(..., own_pace=True) sets, without the lease thread
+    g.c.shares_cores = platform == "cpu"
     g.io.submit("big", steps=50)
     g.turn()
     g.step_seconds["big"] = 5.0
@@ -331,7 +336,15 @@ def test_replicas_at_their_own_pace_each_run_their_job_and_a_partial_report_forg
     g.io.submit("small", INTERACTIVE, steps=4, tokens=20)
     g.step_seconds["small"] = 0.1
     plan = g.turn()
-    assert plan.run == {0: "big", 1: "small"}  # nobody sits out: no turn is shared
+    if platform == "cpu":
+        assert plan.run == {1: "small"} and plan.pause == [0]
+        g.c.record([Rendered(rank=1, job_id="small", attempt_token=g.tokens["small"],
+                             num_inference_steps=4)])
+        g.plan()  # the turn in which "small"'s files are stored
+        plan = g.plan()
+        assert plan.run == {0: "big"} and plan.pause == []
+    else:
+        assert plan.run == {0: "big", 1: "small"} and plan.pause == []
     # A rank at its own pace reports on its own: the other's last report still counts.
     g.c.record([RankReport(rank=1, memory={"rank": 1}, takes_jobs=False)])
     g.c.record([RankReport(rank=0, memory={"rank": 0})])
