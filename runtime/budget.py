@@ -7,16 +7,20 @@ many blocks resident as its budget holds and streams the rest (``apply_dlo``'s
 
 ``--device-budget`` is ``auto`` (the default), ``none`` or a size. ``auto`` on an accelerator is
 the free device memory once the model's other parts are placed, less what the largest job the
-deployment admits needs for its activations. On the CPU host memory is the device: a rank-local
-rank reading a checkpoint keeps every block resident, bound to the checkpoint's shared mapping
-(one copy for all ranks, no transfer per forward; ``runtime.dlo.engine``); in allgather mode, or
-without a checkpoint to map, a resident block would be a private copy per rank, so none stay.
+deployment admits needs for its activations and what steps left part-way may keep of their
+blocks' outputs (``runtime.step_replay.KEEP_MAX_BYTES``, twice: a suspended job's and the
+running one's). On the CPU host memory is the device: a rank-local rank reading a checkpoint
+keeps every block resident, bound to the checkpoint's shared mapping (one copy for all ranks, no
+transfer per forward; ``runtime.dlo.engine``); in allgather mode, or without a checkpoint to
+map, a resident block would be a private copy per rank, so none stay.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from runtime.step_replay import KEEP_MAX_BYTES
 
 AUTO = "auto"
 
@@ -73,7 +77,7 @@ def resolve_budget(budget: DeviceBudget, platform: Any, *, activations: int,
         if not platform.is_accelerator:
             return EVERYTHING if maps_checkpoint else None
         free, _ = platform.mem_get_info()
-        return max(0, free - activations) // parts
+        return max(0, free - activations - 2 * KEEP_MAX_BYTES) // parts
     if not isinstance(budget, int) or budget < 0:
         raise ValueError(f"a device budget is 'auto', None or bytes >= 0, got {budget!r}")
     return budget // parts

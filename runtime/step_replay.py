@@ -19,7 +19,10 @@ Only for a job that does not cache steps, in a step without the group's cache de
 (`runtime.step_cache`): a deciding step's first block must run. The kept outputs are
 references to the tensors the blocks returned, where they are (on the device); at most
 ``KEEP_MAX_BYTES`` of them a job, the earliest, since a long forward's hidden states add up: a
-step left further on computes the rest again.
+step left further on computes the rest again. A replica holds at most two jobs (one
+suspended with its left step, one whose step keeps outputs as it runs), so an ``auto`` device
+budget leaves twice that free (``runtime.budget``). A large video's hidden states pass the bound
+after a block or two: its steps keep little.
 """
 
 from __future__ import annotations
