@@ -97,10 +97,12 @@ def test_i2v_with_two_batch_1_cfg_forwards_equals_the_diffusers_pipeline_bit_for
     assert frames.shape == ref.shape == (9, 64, 64, 3)
     assert ref.std() > 0.01  # a real picture, not a constant
     if name == "wan-flf2v":
-        # Equal bit for bit until the dependencies a fresh install takes changed; now within a
-        # few float32 ulps (at most 9.5e-7 seen, in about half the pixels; cause not yet found:
-        # not transformers 5.23 against 5.25, not kiln's code). Put back assert_array_equal
-        # once it is.
+        # Within a few float32 ulps (at most 9.5e-7 seen), not bit for bit: kiln maps the
+        # transformer's non-block tensors from the checkpoint (one copy shared by every rank),
+        # and in this model's file they sit 8 bytes, not 64, past an aligned address; the CPU
+        # GEMM takes another path for the time embedder's weights there, and its output differs
+        # in the last bit. Copied to aligned memory, the same render equals the reference bit
+        # for bit (checked by hand). The other models' files happen to align.
         np.testing.assert_allclose(frames, ref, rtol=0, atol=2**-19)
     else:
         np.testing.assert_array_equal(frames, ref)
