@@ -7,6 +7,9 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+from kiln.cli import up
 from kiln.cli.up import _group_members, _signal, _still_running
 
 
@@ -25,3 +28,14 @@ def test_a_group_members_are_found_signalled_and_seen_to_end() -> None:
         child.kill()
         child.wait()
 
+
+
+def test_a_stop_whose_interrupt_was_lost_still_ends_the_supervision(monkeypatch) -> None:
+    """A stop signal that lands in a callback whose exceptions Python ignores (logging's fork
+    hook, while a child starts) loses its KeyboardInterrupt; the supervision loop still sees the
+    stop and ends."""
+    monkeypatch.setattr(up, "_stop_asked", False)
+    with pytest.raises(KeyboardInterrupt):
+        up._raise_interrupt(signal.SIGINT, None)  # raised, and taken as lost
+    with pytest.raises(KeyboardInterrupt):
+        up.Supervisor().run(poll_s=0.01)

@@ -101,8 +101,21 @@ class GiveUp(Exception):
     message says why, in plain words."""
 
 
+# Set by a stop signal. The KeyboardInterrupt the handler raises is lost when the signal lands in
+# a callback whose exceptions Python ignores (logging's fork hook, as a child is started), so
+# the supervision loops look at this too: a stop is never missed.
+_stop_asked = False
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
+    global _stop_asked
+    _stop_asked = True
     raise KeyboardInterrupt
+
+
+def _stop_if_asked() -> None:
+    if _stop_asked:
+        raise KeyboardInterrupt
 
 
 def _say(line: str) -> None:
@@ -281,6 +294,7 @@ class Child:
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while not check():
+            _stop_if_asked()
             if self.proc.poll() is not None:
                 self._give_up(f"{what} exited with {_exit_reason(self.proc.returncode)}")
             if time.monotonic() > deadline:
@@ -308,6 +322,7 @@ class Supervisor:
     def run(self, poll_s: float = 0.2) -> None:
         """Supervises until interrupted (KeyboardInterrupt) or a child gives up (`GiveUp`)."""
         while True:
+            _stop_if_asked()
             now = time.monotonic()
             for child in self.children:
                 child.check(now)
