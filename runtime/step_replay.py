@@ -58,10 +58,6 @@ class LeftStep:
     active: tuple[bool, ...]
     outputs: list[tuple[tuple[int, int], Any]] = field(default_factory=list)
 
-    @property
-    def blocks(self) -> int:
-        return len(self.outputs)
-
 
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):

@@ -309,12 +309,14 @@ class VideoPipeline(abc.ABC):
             if cache_before is not None:
                 state.extra[STEP_CACHE] = cache_before
             if isinstance(exc, StepLeft):
-                self.last_step_lost_seconds = time.perf_counter() - began
-            if replay is not None and isinstance(exc, StepLeft):
-                # Left for another job: the blocks computed are kept for the step taken again.
-                self.last_step_lost_seconds = replay.unkept_seconds
-                state.extra[LEFT_STEP] = LeftStep(step_index=state.step_index, active=tuple(on),
-                                                  outputs=replay.end())
+                if replay is None:
+                    self.last_step_lost_seconds = time.perf_counter() - began
+                else:
+                    # Left for another job: the blocks computed are kept for the step taken
+                    # again.
+                    self.last_step_lost_seconds = replay.unkept_seconds
+                    state.extra[LEFT_STEP] = LeftStep(
+                        step_index=state.step_index, active=tuple(on), outputs=replay.end())
             raise
         finally:
             if replay is not None:

@@ -102,14 +102,20 @@ class Script:
         pass
 
 
-def _rank(rank: int, world: int, use_allgather: bool) -> dict[str, Any] | None:
+def _run_replicas(rank: int, world: int, driver: Any, use_allgather: bool = False) -> None:
+    """This rank's part of two replicas of one rank each, kiln-tiny, at their own pace (in
+    lock-step where they gather weights), ``driver`` on rank 0, until it stops them."""
     layout = Layout(dp=2, sp=1)
     platform = get_platform("cpu")
     pipe = load_pipeline(TINY_MODEL, device=platform.device, use_allgather=use_allgather,
                          sequence=open_sequence(layout, platform.backend))
     loop = RankLoop(rank, pipe, lambda frames, job_id, fps: ("v", "t"), platform, layout=layout)
+    run_loop(rank, world, loop, driver, own_pace=True)
+
+
+def _rank(rank: int, world: int, use_allgather: bool) -> dict[str, Any] | None:
     script = Script() if rank == 0 else None
-    run_loop(rank, world, loop, script, own_pace=True)
+    _run_replicas(rank, world, script, use_allgather)
     if script is None:
         return None
     return {"own_pace": script.own_pace, "steps": script.steps,
@@ -199,24 +205,18 @@ class PauseScript:
 
 
 def _pause_rank(rank: int, world: int) -> dict[str, Any] | None:
-    layout = Layout(dp=2, sp=1)
-    platform = get_platform("cpu")
-    pipe = load_pipeline(TINY_MODEL, device=platform.device, use_allgather=False,
-                         sequence=open_sequence(layout, platform.backend))
-    loop = RankLoop(rank, pipe, lambda frames, job_id, fps: ("v", "t"), platform, layout=layout)
     script = PauseScript() if rank == 0 else None
-    run_loop(rank, world, loop, script, own_pace=True)
+    _run_replicas(rank, world, script)
     if script is None:
         return None
     return {"ended": {j: (m.outcome, m.step) for j, m in script.ended.items()},
-            "big_when_waiting": script.big_when_waiting, "big_at_resume": script.big_at_resume,
-            "replayed": pipe.blocks_replayed}
+            "big_when_waiting": script.big_when_waiting, "big_at_resume": script.big_at_resume}
 
 
 def test_a_paused_replica_sits_out_until_it_is_named_to_run_again() -> None:
     """Paused part-way through a step, replica 0 steps no more while replica 1 runs 10 steps,
-    and reports that it waits; named to run again, it takes its step again (the blocks it had
-    computed given back) and finishes its job."""
+    and reports that it waits; named to run again, it takes its step again and finishes its job
+    (that a step so left gives its blocks back: tests/runtime/test_step_interrupt.py)."""
     out = run_ranks(2, _pause_rank, timeout=180)[0]
     assert out["ended"]["big"] == ("succeeded", 8)
     assert out["big_when_waiting"] is not None
