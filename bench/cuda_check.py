@@ -51,6 +51,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -327,7 +328,10 @@ def gathers_check(device: torch.device, sizes: list[tuple[int, int, int]], steps
     from runtime.pipelines.tiny import TinyPipeline
 
     variants = (("cfg_batch", True), ("two_forwards", False))
-    pipes = {name: TinyPipeline.load(device=device, cfg_batch=batch) for name, batch in variants}
+    # Every block streamed (no device budget): on a large GPU the automatic budget would keep
+    # kiln-tiny's few blocks resident, and there would be no gather to count.
+    pipes = {name: TinyPipeline.load(device=device, cfg_batch=batch, device_budget=None)
+             for name, batch in variants}
     report: dict[str, Any] = {"steps": steps, "passes": passes}
     try:
         for w, h, f in sizes:
@@ -566,6 +570,17 @@ def main() -> None:
         args.json.write_text(text + "\n")
 
 
+def _section(name: str, measure: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """One section's figures; a section that fails is reported as skipped with its error (and
+    its traceback on stderr), so that the others' figures are still written."""
+    print(f"cuda check: {name} ...", file=sys.stderr, flush=True)
+    try:
+        return measure(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON, the run goes on
+        traceback.print_exc()
+        return {"skipped": True, "reason": f"failed: {type(exc).__name__}: {exc}"[:400]}
+
+
 def gpu_run(width: int, blocks: int, tokens: list[int], reps: int) -> dict[str, Any]:
     _init_world("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -575,21 +590,23 @@ def gpu_run(width: int, blocks: int, tokens: list[int], reps: int) -> dict[str, 
         "device_name": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "link": link(),
-        "exact_fp32": exactness(torch.float32, 1024, 1024, 6),
-        "exact_bf16": exactness(torch.bfloat16, 1024, 1024, 6),
-        PROFILE_KEY: profile(**PROFILE),
-        "steptime": steptime(device, width, blocks, tokens, reps),
+        "link": _section("link", link),
+        "exact_fp32": _section("exact_fp32", exactness, torch.float32, 1024, 1024, 6),
+        "exact_bf16": _section("exact_bf16", exactness, torch.bfloat16, 1024, 1024, 6),
+        PROFILE_KEY: _section("profile", profile, **PROFILE),
+        "steptime": _section("steptime", steptime, device, width, blocks, tokens, reps),
         # Latent shapes [1, C, F, H, W]: 48 tokens (the default clip), 27 (padded), 5120
         # (512x512x17) and 17408 (512x512x65).
-        "sp2": sp2_check("cuda", [(1, 12, 3, 8, 8), (1, 12, 3, 6, 6), (1, 12, 5, 64, 64),
-                                  (1, 12, 17, 64, 64)], reps=10),
-        "gathers_per_step": gathers_check(device, [(64, 64, 9), (256, 256, 17), (512, 512, 33)],
-                                          steps=4, passes=5),
+        "sp2": _section("sp2", sp2_check, "cuda", [(1, 12, 3, 8, 8), (1, 12, 3, 6, 6),
+                                                   (1, 12, 5, 64, 64), (1, 12, 17, 64, 64)],
+                        reps=10),
+        "gathers_per_step": _section("gathers_per_step", gathers_check, device,
+                                     [(64, 64, 9), (256, 256, 17), (512, 512, 33)], steps=4,
+                                     passes=5),
         # fp32, so that bf16 halves the blocks and fp8 quarters them.
-        "weights_dtypes": weights_dtypes(device, width, blocks, [1024, 4096, 16384], reps,
-                                         dtype=torch.float32),
-        "quality_tiers": quality_tiers(device, prompts=12, steps=30),
+        "weights_dtypes": _section("weights_dtypes", weights_dtypes, device, width, blocks,
+                                   [1024, 4096, 16384], reps, dtype=torch.float32),
+        "quality_tiers": _section("quality_tiers", quality_tiers, device, prompts=12, steps=30),
     }
     dist.destroy_process_group()
     return report

@@ -48,7 +48,7 @@ Exit status 1 if a bound does not hold in some mode.
 
 Usage: python bench/overnight.py [--quick] [--modes allgather,rank_local] [--rounds 2]
        [--batch 256x256x33x150] [--interactive 20] [--solo 5] [--seed 1] [--poll-ms 50]
-       [--json [PATH]]
+       [--json [PATH]] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -478,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-ms", type=float, default=50.0)
     parser.add_argument("--json", type=Path, nargs="?", const=ROOT / "bench/results/overnight.json",
                         help="write the figures there (no PATH: bench/results/overnight.json)")
+    parser.add_argument("--logs", type=Path,
+                        help="keep each mode's API and worker logs in this folder")
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
@@ -494,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kiln-overnight-") as tmp:
         for mode in modes:
             report["modes"][mode] = run_mode(mode, args, Path(tmp))
+            if args.logs:
+                kept = args.logs / mode
+                kept.mkdir(parents=True, exist_ok=True)
+                for name in ("api.log", "worker.log"):
+                    shutil.copy(Path(tmp) / mode / name, kept / name)
     report["seconds"] = time.monotonic() - began
     report["load_average"] = os.getloadavg()
     print(f"overnight at dp=2: 2 batch jobs of {args.batch}, {args.interactive} interactive "

@@ -173,18 +173,20 @@ class TinyTextEncoder(nn.Module):
 
 
 def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """[N] float positions -> [N, dim] (cos | sin) features."""
+    """[N] float positions -> [N, dim] (cos | sin) features, computed on the CPU in float64
+    (the same bits on every device, also under a ``torch.device`` context)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
-    angles = positions.to(torch.float64)[:, None] * freqs[None]
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64, device="cpu")
+                      / half)
+    angles = positions.to("cpu", torch.float64)[:, None] * freqs[None]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
 
 
 def positions_3d(f: int, h: int, w: int, dim: int) -> torch.Tensor:
     """[F*H*W, dim] sinusoidal features, about a third of the width per axis (frames, rows,
     columns; every part even so it splits into cos and sin)."""
-    grid = torch.stack(torch.meshgrid(torch.arange(f), torch.arange(h), torch.arange(w),
-                                      indexing="ij"), dim=-1).reshape(-1, 3)
+    axes = [torch.arange(n, device="cpu") for n in (f, h, w)]
+    grid = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
     k = 2 * (dim // 6)
     return torch.cat([sinusoid(grid[:, i], n) for i, n in enumerate((dim - 2 * k, k, k))], dim=-1)
 
