@@ -53,3 +53,37 @@ def test_tiny_transformer_keeps_the_latent_shape():
     text = model.text_encoder(*model.tokenizer(["a cat"]))
     out = model.transformer(x, torch.tensor([500.0]), text)
     assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("tokens", [48, 512, 2304])
+def test_sliced_self_attention_equals_the_batched_call_bit_for_bit(threads, tokens):
+    from runtime.models.tiny import SlicedAttention, _attention
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(tokens)
+        for b, heads, d in ((2, 4, 128), (1, 3, 96)):
+            q, k, v = (torch.randn(b, tokens, d, generator=g) for _ in range(3))
+            assert torch.equal(SlicedAttention(heads)(q, k, v), _attention(q, k, v, heads))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_long_self_attention_runs_in_slices_that_hooks_see():
+    """The hooks that leave a step part-way run between the slices of a long attention."""
+    from runtime.models.tiny import SlicedAttention
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        attention, calls = SlicedAttention(4), []
+        attention.slice.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+        attention(*(torch.randn(2, 1024, 128) for _ in range(3)))
+        assert calls == [torch.Size([1, 1, 1024, 32])] * 8  # every batch row, every head
+        calls.clear()
+        attention(*(torch.randn(2, 48, 128) for _ in range(3)))  # short: one call, no slices
+        assert calls == []
+    finally:
+        torch.set_num_threads(before)
