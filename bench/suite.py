@@ -545,10 +545,13 @@ def _overnight_section(night: dict[str, Any]) -> list[str]:
               "leaves its batch step part-way, between two modules of a block "
               "(`runtime.rank_loop._Interrupt`), keeping its blocks the same way; on this CPU "
               "host the other replica's batch job is paused meanwhile (`StepPlan.pause`), since "
-              "both replicas compute on the same two cores. What is left of an interactive "
-              "job's wait is the module under way when it is due (a self-attention of the batch "
-              "step takes about 75 ms on one core), the turn's end and the claim, on two cores "
-              "that the API, the database and Redis share with the ranks. Once taken, "
+              "both replicas compute on the same two cores. A module boundary comes often: "
+              "kiln-tiny's self-attention, two thirds of a 256x256x33 block (77 ms on one "
+              "core), runs one batch row and head at a time, each slice a module call "
+              "(`runtime.models.tiny.SlicedAttention`, bit for bit the batched call), so a "
+              "step is left within about 10 ms of the look that finds the job due. What is "
+              "left of an interactive job's wait is that, the turn's end and the claim, on two "
+              "cores that the API, the database and Redis share with the ranks. Once taken, "
               "the job rendered within 2x its solo time in "
               f"{' and '.join(taken) if taken else 'no mode'} in this run.", ""]
     return lines
