@@ -937,6 +937,28 @@ def run_loop(rank: int, world: int, loop: RankLoop, driver: GroupDriver | None,
         loop.close()
 
 
+# On a CPU host the ranks' compute shares the cores with the service around it: the API, the
+# database, Redis, rank 0's coordinator and each rank's writer, which run briefly and for
+# someone waiting (a submission, a claim, a final status). The thread that computes runs at
+# this nice value at least (the threads it starts afterwards inherit it),
+# so that those get a core when they wake rather than after the compute's time slice.
+COMPUTE_NICENESS = 5
+
+
+def _compute_at_lower_priority(loop: RankLoop) -> None:
+    """`COMPUTE_NICENESS` for this (the computing) thread, on a CPU host only: an accelerator's
+    compute does not hold a core, and the thread that launches it must not wait for one."""
+    if loop.platform.is_accelerator or not hasattr(os, "setpriority"):
+        return
+    thread = threading.get_native_id()  # on Linux, a thread's own nice value
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, thread)
+        if now < COMPUTE_NICENESS:
+            os.setpriority(os.PRIO_PROCESS, thread, COMPUTE_NICENESS)
+    except OSError as exc:  # refused by the host: compute at the priority it has
+        log.info("rank %d computes at its own priority: %s", loop.rank, exc)
+
+
 def _agree(flag: bool, group: Any) -> bool:
     """True when ``flag`` is true on every rank of ``group``."""
     t = torch.tensor([int(flag)], dtype=torch.int32)
@@ -948,6 +970,7 @@ def _lockstep_turns(rank: int, world: int, loop: RankLoop, driver: GroupDriver |
                     stop_event: Any, control: Any) -> None:
     """Every rank, every turn: rank 0's plan by broadcast, one step (or an idle one) of every
     rank, the messages gathered on rank 0."""
+    _compute_at_lower_priority(loop)
     while True:
         plan_box: list[Any] = [None]
         if driver is not None:
@@ -1015,6 +1038,7 @@ def _own_pace_turns(rank: int, loop: RankLoop, driver: GroupDriver | None, stop_
     if driver is not None:
         conductor = _Conductor(driver, mailbox.clone(), layout, stop_event, peer_timeout_s)
         conductor.start()
+    _compute_at_lower_priority(loop)  # after the conductor's start: it keeps the priority
     hold_until: float | None = None  # the leader's, while on a hold: when it lapses
     paused = False  # on a `StepPlan.pause`, until orders name a job to run
     try:
