@@ -373,7 +373,11 @@ class DLOHandle:
         self._leave_late = False  # this rank's check is looked at until late in each block
         self._vote_needed: threading.Event | None = None  # set: the pending vote is wanted now
         self._acquired_at: float | None = None  # when the last block was acquired (monotonic)
-        self._block_seconds = 0.0  # between the last two acquires of one forward, on this rank
+        # Between the last two acquires of one forward on this rank, in a forward that may be
+        # left (`leave_when`): the late look's measure (`_leave_flag`). Forwards that may not
+        # be left are another job's (an interactive job's blocks, a tenth as long): their
+        # blocks would end the first late look of the next batch step almost at once.
+        self._block_seconds = 0.0
         self._within_hooks = False  # the pre-hooks that let it are registered
         self._left = False  # the group left the current forward: nothing is owed to catch up
         self._hooks: list[RemovableHandle | _InstanceForward] = []
@@ -565,7 +569,8 @@ class DLOHandle:
             self._release(*self._bound)  # after what its forward had queued on the device
             self._bound = None
         now = time.monotonic()
-        if index != self._num_resident and self._acquired_at is not None:
+        if (index != self._num_resident and self._acquired_at is not None
+                and self._leave_check is not None):
             self._block_seconds = now - self._acquired_at
         self._acquired_at = now
         vote, self._leave_vote = self._leave_vote, None
