@@ -465,6 +465,19 @@ def print_mode(mode: str, m: dict[str, Any]) -> None:
           f"interactive): {'yes' if m['as_specified'] else 'no'}")
 
 
+def _without_logs(args: list[str]) -> list[str]:
+    """``args`` less ``--logs DIR`` (or ``--logs=DIR``)."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--logs":
+            skip = True
+        elif not arg.startswith("--logs="):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -492,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch, "interactive": args.interactive, "solo": args.solo,
         "seed": args.seed, "poll_ms": args.poll_ms, "quick": args.quick, "rounds": args.rounds,
         "modes": {},
-        "command": "python bench/overnight.py " + " ".join(argv or sys.argv[1:])}
+        # Where the logs were kept is this machine's, not the figures'.
+        "command": "python bench/overnight.py " + " ".join(_without_logs(argv or sys.argv[1:]))}
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kiln-overnight-") as tmp:
         for mode in modes:
