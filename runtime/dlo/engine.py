@@ -122,6 +122,8 @@ _MIN_LIST_SHARE = 0.10
 # this rank) the check is still looked at, and how often.
 LEAVE_LATE_SHARE = 0.75
 LEAVE_LOOK_SECONDS = 0.005
+# What a block's measure keeps of the last one's when the block took less (`_acquire`).
+LEAVE_MEASURE_KEEP = 0.9
 # On the CPU, where the compute buffer is host memory, the most of a cast Linear weight upcast
 # at once (`_chunked_linear`): a Wan block of width 1024 in fp8 then needs 1 MiB of it, not 16.
 UPCAST_CHUNK_BYTES = 1 << 20
@@ -571,7 +573,11 @@ class DLOHandle:
         now = time.monotonic()
         if (index != self._num_resident and self._acquired_at is not None
                 and self._leave_check is not None):
-            self._block_seconds = now - self._acquired_at
+            # A block given back from a step left before (`runtime.step_replay`) computes
+            # nothing: its millisecond must not end the look at the next one at once, so the
+            # measure falls by at most a tenth a block.
+            self._block_seconds = max(now - self._acquired_at,
+                                      LEAVE_MEASURE_KEEP * self._block_seconds)
         self._acquired_at = now
         vote, self._leave_vote = self._leave_vote, None
         self._want_vote()
